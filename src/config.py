@@ -1,0 +1,330 @@
+"""Engine configuration: one frozen object per layer, composed into `EngineConfig`.
+
+Built once at the edge (`EngineArgs.create_engine_config()`, from the CLI or `LLM(...)`) and
+passed down unchanged to the frontend, the engine core and the workers. Derived values are
+properties; values measured at run time (the number of KV blocks) travel separately, never by
+mutating these objects. `ModelConfig.from_model_dir` reads a Hugging Face model directory
+(config.json through transformers' AutoConfig, generation_config.json) and checks it is complete.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+from ringserve.errors import ModelDirectoryError
+
+DType = Literal["float32", "bfloat16", "float16"]
+Device = Literal["cpu", "cuda"]
+ExecutorBackend = Literal["uni", "mp", "ray"]
+SchedulingPolicy = Literal["fcfs", "priority"]
+
+SUPPORTED_ARCHITECTURES: tuple[str, ...] = (
+    "LlamaForCausalLM",
+    "MistralForCausalLM",
+    "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM",
+)
+
+_TORCH_DTYPE_NAMES: dict[str, DType] = {
+    "float32": "float32",
+    "float": "float32",
+    "bfloat16": "bfloat16",
+    "float16": "float16",
+    "half": "float16",
+}
+
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
+
+
+@dataclass(frozen=True, slots=True)
+class ModelConfig:
+    """The model as read from its directory, plus the user's choices about it.
+
+    Attributes:
+        model: the model directory.
+        tokenizer: the tokenizer directory (the model directory unless given).
+        served_model_name: the name clients use for this model.
+        architecture: the HF architecture class name (one of SUPPORTED_ARCHITECTURES).
+        dtype: the dtype weights and activations run in.
+        max_model_len: the longest prompt + output, in tokens.
+        vocab_size, hidden_size, num_hidden_layers, num_attention_heads, num_kv_heads,
+        head_dim: the shape of the model.
+        eos_token_ids: the ids that end generation (generation_config.json first).
+        bos_token_id: the beginning-of-sequence id, if any.
+        seed: the engine's random seed.
+        max_logprobs: the cap on logprobs / prompt_logprobs per position (-1: vocab size).
+        hf_config: the raw config.json contents (for the model code).
+    """
+
+    model: str
+    tokenizer: str
+    served_model_name: str
+    architecture: str
+    dtype: DType
+    max_model_len: int
+    vocab_size: int
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_kv_heads: int
+    head_dim: int
+    eos_token_ids: tuple[int, ...]
+    bos_token_id: int | None
+    seed: int
+    max_logprobs: int
+    hf_config: dict[str, Any]
+
+    @classmethod
+    def from_model_dir(
+        cls,
+        model: str,
+        *,
+        tokenizer: str | None = None,
+        served_model_name: str | None = None,
+        dtype: str = "auto",
+        max_model_len: int | None = None,
+        seed: int = 0,
+        max_logprobs: int = 20,
+    ) -> ModelConfig:
+        """Read and check a local Hugging Face model directory.
+
+        Raises:
+            ModelDirectoryError: the directory or one of its files is missing, unreadable,
+                or describes an architecture ringserve does not run.
+            ValueError: `dtype` or `max_model_len` is not allowed for this model.
+        """
+        path = Path(model)
+        _check_model_dir(path)
+        tok_path = Path(tokenizer) if tokenizer is not None else path
+        _check_tokenizer_dir(tok_path)
+        hf = _load_hf_config(path)
+        arch = _architecture(path, hf)
+        derived_len = _derived_max_len(hf)
+        if max_model_len is None:
+            max_model_len = derived_len
+        elif max_model_len < 1 or max_model_len > derived_len:
+            raise ValueError(
+                f"max_model_len: got {max_model_len}, allowed: 1..{derived_len} "
+                f"(max_position_embeddings of {path / 'config.json'})"
+            )
+        heads = int(hf["num_attention_heads"])
+        hidden = int(hf["hidden_size"])
+        return cls(
+            model=str(path),
+            tokenizer=str(tok_path),
+            served_model_name=served_model_name or model,
+            architecture=arch,
+            dtype=_resolve_dtype(dtype, hf),
+            max_model_len=max_model_len,
+            vocab_size=int(hf["vocab_size"]),
+            hidden_size=hidden,
+            num_hidden_layers=int(hf["num_hidden_layers"]),
+            num_attention_heads=heads,
+            num_kv_heads=int(hf.get("num_key_value_heads") or heads),
+            head_dim=int(hf.get("head_dim") or hidden // heads),
+            eos_token_ids=_eos_token_ids(path, hf),
+            bos_token_id=hf.get("bos_token_id"),
+            seed=seed,
+            max_logprobs=max_logprobs,
+            hf_config=hf,
+        )
+
+    def kv_bytes_per_token(self, tensor_parallel_size: int = 1) -> int:
+        """Bytes of K and V cache one token needs across all layers on one TP rank."""
+        itemsize = 4 if self.dtype == "float32" else 2
+        kv_heads = max(1, self.num_kv_heads // tensor_parallel_size)
+        return 2 * self.num_hidden_layers * kv_heads * self.head_dim * itemsize
+
+
+def _check_model_dir(path: Path) -> None:
+    if not path.is_dir():
+        raise ModelDirectoryError(
+            f"model directory {path} does not exist (ringserve loads local Hugging Face model "
+            "directories only; `ringserve demo-model PATH` writes a small one)"
+        )
+    if not (path / "config.json").is_file():
+        raise ModelDirectoryError(f"model directory {path}: config.json is missing")
+    if not any(path.glob("*.safetensors")):
+        raise ModelDirectoryError(
+            f"model directory {path}: no *.safetensors weights (model.safetensors or shards "
+            "with model.safetensors.index.json)"
+        )
+
+
+def _check_tokenizer_dir(path: Path) -> None:
+    if not path.is_dir():
+        raise ModelDirectoryError(f"tokenizer directory {path} does not exist")
+    if not any((path / name).is_file() for name in _TOKENIZER_FILES):
+        raise ModelDirectoryError(
+            f"tokenizer directory {path}: no tokenizer file ({', '.join(_TOKENIZER_FILES)})"
+        )
+
+
+def _load_hf_config(path: Path) -> dict[str, Any]:
+    from transformers import AutoConfig
+
+    try:
+        hf = AutoConfig.from_pretrained(str(path), local_files_only=True)
+    except (OSError, ValueError, KeyError) as exc:
+        raise ModelDirectoryError(f"model directory {path}: config.json unreadable: {exc}") from exc
+    data: dict[str, Any] = hf.to_dict()
+    text_config = data.get("text_config")
+    if isinstance(text_config, dict):
+        data = {**data, **text_config}
+    for key in ("hidden_size", "num_attention_heads", "num_hidden_layers", "vocab_size"):
+        if not isinstance(data.get(key), int):
+            raise ModelDirectoryError(f"model directory {path}: config.json has no integer {key!r}")
+    return data
+
+
+def _architecture(path: Path, hf: dict[str, Any]) -> str:
+    archs = hf.get("architectures") or []
+    for arch in archs:
+        if arch in SUPPORTED_ARCHITECTURES:
+            return str(arch)
+    raise ModelDirectoryError(
+        f"model directory {path}: architecture {archs or 'missing'} in config.json is not "
+        f"supported; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+    )
+
+
+def _derived_max_len(hf: dict[str, Any]) -> int:
+    for key in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length"):
+        value = hf.get(key)
+        if isinstance(value, int) and value > 0:
+            return value
+    return 2048
+
+
+def _resolve_dtype(dtype: str, hf: dict[str, Any]) -> DType:
+    if dtype != "auto":
+        if dtype not in _TORCH_DTYPE_NAMES:
+            raise ValueError(f"dtype: got {dtype!r}, allowed: auto, float32, bfloat16, float16")
+        return _TORCH_DTYPE_NAMES[dtype]
+    stored = hf.get("dtype") or hf.get("torch_dtype") or "float32"
+    return _TORCH_DTYPE_NAMES.get(str(stored).removeprefix("torch."), "float32")
+
+
+def _eos_token_ids(path: Path, hf: dict[str, Any]) -> tuple[int, ...]:
+    raw: Any = None
+    gen_path = path / "generation_config.json"
+    if gen_path.is_file():
+        try:
+            raw = json.loads(gen_path.read_text()).get("eos_token_id")
+        except (OSError, ValueError) as exc:
+            raise ModelDirectoryError(f"{gen_path}: unreadable: {exc}") from exc
+    if raw is None:
+        raw = hf.get("eos_token_id")
+    if raw is None:
+        return ()
+    ids = raw if isinstance(raw, list) else [raw]
+    return tuple(int(i) for i in ids)
+
+
+@dataclass(frozen=True, slots=True)
+class CacheConfig:
+    """The paged KV cache and prefix caching.
+
+    Attributes:
+        block_size: tokens per KV block.
+        enable_prefix_caching: reuse KV blocks across requests with a common prefix.
+        gpu_memory_utilization: on CUDA, the fraction of device memory the engine may use.
+        kv_cache_memory: bytes for the KV cache (required meaning on CPU; overrides the
+            profiled size on CUDA).
+        num_gpu_blocks_override: use exactly this many blocks (tests, benchmarks).
+    """
+
+    block_size: int = 16
+    enable_prefix_caching: bool = True
+    gpu_memory_utilization: float = 0.92
+    kv_cache_memory: int | None = None
+    num_gpu_blocks_override: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerConfig:
+    """Scheduling policy and per-step budgets.
+
+    Attributes:
+        max_num_seqs: the most requests running at once.
+        max_num_batched_tokens: the token budget of one step.
+        max_model_len: copied from the model config for the scheduler's checks.
+        enable_chunked_prefill: split long prompts over several steps.
+        long_prefill_token_threshold: a prompt chunk is capped at this many tokens (0: off).
+        policy: "fcfs" or "priority".
+        async_scheduling: schedule step N+1 while step N runs.
+    """
+
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
+    max_model_len: int = 2048
+    enable_chunked_prefill: bool = True
+    long_prefill_token_threshold: int = 0
+    policy: SchedulingPolicy = "fcfs"
+    async_scheduling: bool = True
+
+
+@dataclass(frozen=True, slots=True)
+class ParallelConfig:
+    """How the model is spread over devices and engine cores."""
+
+    tensor_parallel_size: int = 1
+    data_parallel_size: int = 1
+    distributed_executor_backend: ExecutorBackend = "uni"
+
+    @property
+    def world_size(self) -> int:
+        """Workers per engine core (tensor parallel ranks)."""
+        return self.tensor_parallel_size
+
+
+@dataclass(frozen=True, slots=True)
+class DeviceConfig:
+    """The device the workers run on ("cpu" or "cuda"), resolved from "auto" at the edge."""
+
+    device: Device = "cpu"
+
+
+@dataclass(frozen=True, slots=True)
+class ObservabilityConfig:
+    """Logging and metrics switches."""
+
+    disable_log_stats: bool = False
+    log_stats_interval: float = 10.0
+    enable_log_requests: bool = False
+    enable_mfu_metrics: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class FaultToleranceConfig:
+    """What the engine core does when a worker or step fails."""
+
+    enable_fault_tolerance: bool = True
+    engine_recovery_timeout_sec: float = 120.0
+    execute_model_timeout_s: float | None = None
+    fault_tolerance_auto_retry: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class FrontendConfig:
+    """Admission control in the frontend (None: unlimited)."""
+
+    max_num_queued_reqs: int | None = None
+    max_num_queued_tokens: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    """The whole configuration of one engine, passed from the edge to every layer."""
+
+    model_config: ModelConfig
+    cache_config: CacheConfig
+    scheduler_config: SchedulerConfig
+    parallel_config: ParallelConfig
+    device_config: DeviceConfig
+    observability_config: ObservabilityConfig
+    fault_tolerance_config: FaultToleranceConfig
+    frontend_config: FrontendConfig

@@ -1,0 +1,326 @@
+"""`EngineArgs`: the user-facing knobs of an engine, with vLLM's names, and their CLI flags.
+
+The CLI (`ringserve serve`, `generate`, `bench`) and `LLM(...)` both build an `EngineArgs`, and
+`create_engine_config()` turns it, once, into the frozen `EngineConfig` every layer receives.
+Every check on a user's value raises `ValueError` naming the field, the value and what is
+allowed, so the CLI can print one line instead of a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import re
+from dataclasses import dataclass
+from typing import Any, get_args
+
+from ringserve.config import (
+    CacheConfig,
+    DeviceConfig,
+    EngineConfig,
+    ExecutorBackend,
+    FaultToleranceConfig,
+    FrontendConfig,
+    ModelConfig,
+    ObservabilityConfig,
+    ParallelConfig,
+    SchedulerConfig,
+    SchedulingPolicy,
+)
+
+DEMO_MODEL = "ringserve-demo"
+
+_BYTE_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+
+
+def parse_bytes(text: str) -> int:
+    """Parse "1073741824", "512MiB", "4G" or "1.5 GB" as a byte count (binary units).
+
+    Raises:
+        ValueError: the text is not a non-negative size.
+    """
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(?:i?b)?\s*", text, re.IGNORECASE)
+    if match is None:
+        raise ValueError(f"not a byte size: {text!r} (examples: 1073741824, 512MiB, 4G)")
+    return int(float(match.group(1)) * _BYTE_UNITS[match.group(2).lower()])
+
+
+@dataclass
+class EngineArgs:
+    """Arguments for one engine (names and defaults follow vLLM where the meaning matches).
+
+    `model` is a local Hugging Face model directory, or "ringserve-demo" for the project's
+    demo model (built on first use under RINGSERVE_HOME).
+    """
+
+    model: str = DEMO_MODEL
+    tokenizer: str | None = None
+    served_model_name: str | None = None
+    dtype: str = "auto"
+    seed: int = 0
+    max_model_len: int | None = None
+    block_size: int = 16
+    enable_prefix_caching: bool = True
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int | None = None
+    enable_chunked_prefill: bool = True
+    long_prefill_token_threshold: int = 0
+    tensor_parallel_size: int = 1
+    data_parallel_size: int = 1
+    distributed_executor_backend: str | None = None
+    gpu_memory_utilization: float = 0.92
+    kv_cache_memory: int | None = None
+    num_gpu_blocks_override: int | None = None
+    async_scheduling: bool = True
+    scheduling_policy: str = "fcfs"
+    max_logprobs: int = 20
+    device: str = "auto"
+    disable_log_stats: bool = False
+    log_stats_interval: float = 10.0
+    enable_log_requests: bool = False
+    enable_mfu_metrics: bool = False
+    enable_fault_tolerance: bool = True
+    engine_recovery_timeout_sec: float = 120.0
+    execute_model_timeout_s: float | None = None
+    fault_tolerance_auto_retry: int = 0
+    max_num_queued_reqs: int | None = None
+    max_num_queued_tokens: int | None = None
+
+    # -- CLI -------------------------------------------------------------------------------
+
+    @staticmethod
+    def add_cli_args(parser: argparse.ArgumentParser, *, positional_model: bool = False) -> None:
+        """Add one vLLM-named flag per field (`--max-model-len`, ...) to `parser`.
+
+        Args:
+            parser: the parser (or subcommand parser) to extend.
+            positional_model: take the model as an optional positional argument (as
+                `vllm serve MODEL` does) in addition to `--model`.
+        """
+        group = parser.add_argument_group("engine")
+        if positional_model:
+            parser.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
+                                help=f"model directory (default: {DEMO_MODEL})")
+        for spec in _FLAG_SPECS:
+            spec.add_to(group)
+
+    @classmethod
+    def from_cli_args(cls, ns: argparse.Namespace) -> EngineArgs:
+        """Build from the namespace `add_cli_args` filled (a positional MODEL wins)."""
+        values = {f.name: getattr(ns, f.name) for f in dataclasses.fields(cls) if hasattr(ns, f.name)}
+        model_tag = getattr(ns, "model_tag", None)
+        if model_tag is not None:
+            values["model"] = model_tag
+        return cls(**values)
+
+    # -- validation and config -------------------------------------------------------------
+
+    def create_engine_config(self) -> EngineConfig:
+        """Validate every field and build the frozen configuration.
+
+        Raises:
+            ValueError: a field is out of range (the message names it).
+            ModelDirectoryError: the model directory is missing or incomplete.
+        """
+        self._verify()
+        model_config = ModelConfig.from_model_dir(
+            self._model_dir(),
+            tokenizer=self.tokenizer,
+            served_model_name=self.served_model_name or self.model,
+            dtype=self.dtype,
+            max_model_len=self.max_model_len,
+            seed=self.seed,
+            max_logprobs=self.max_logprobs,
+        )
+        return EngineConfig(
+            model_config=model_config,
+            cache_config=CacheConfig(
+                block_size=self.block_size,
+                enable_prefix_caching=self.enable_prefix_caching,
+                gpu_memory_utilization=self.gpu_memory_utilization,
+                kv_cache_memory=self.kv_cache_memory,
+                num_gpu_blocks_override=self.num_gpu_blocks_override,
+            ),
+            scheduler_config=self._scheduler_config(model_config.max_model_len),
+            parallel_config=ParallelConfig(
+                tensor_parallel_size=self.tensor_parallel_size,
+                data_parallel_size=self.data_parallel_size,
+                distributed_executor_backend=self._executor_backend(),
+            ),
+            device_config=DeviceConfig(device=_resolve_device(self.device)),
+            observability_config=ObservabilityConfig(
+                disable_log_stats=self.disable_log_stats,
+                log_stats_interval=self.log_stats_interval,
+                enable_log_requests=self.enable_log_requests,
+                enable_mfu_metrics=self.enable_mfu_metrics,
+            ),
+            fault_tolerance_config=FaultToleranceConfig(
+                enable_fault_tolerance=self.enable_fault_tolerance,
+                engine_recovery_timeout_sec=self.engine_recovery_timeout_sec,
+                execute_model_timeout_s=self.execute_model_timeout_s,
+                fault_tolerance_auto_retry=self.fault_tolerance_auto_retry,
+            ),
+            frontend_config=FrontendConfig(
+                max_num_queued_reqs=self.max_num_queued_reqs,
+                max_num_queued_tokens=self.max_num_queued_tokens,
+            ),
+        )
+
+    def _model_dir(self) -> str:
+        if self.model == DEMO_MODEL:
+            from ringserve.gpu.testing import demo_model_path
+
+            return str(demo_model_path())
+        return self.model
+
+    def _scheduler_config(self, max_model_len: int) -> SchedulerConfig:
+        budget = self.max_num_batched_tokens
+        if budget is None:
+            budget = max(8192, self.max_num_seqs)
+            if not self.enable_chunked_prefill:
+                budget = max(budget, max_model_len)
+        if budget < self.max_num_seqs:
+            raise _fail("max_num_batched_tokens", budget, f">= max_num_seqs ({self.max_num_seqs})")
+        if not self.enable_chunked_prefill and budget < max_model_len:
+            raise _fail(
+                "max_num_batched_tokens", budget,
+                f">= max_model_len ({max_model_len}) when chunked prefill is disabled",
+            )
+        policy: SchedulingPolicy = "priority" if self.scheduling_policy == "priority" else "fcfs"
+        return SchedulerConfig(
+            max_num_seqs=self.max_num_seqs,
+            max_num_batched_tokens=budget,
+            max_model_len=max_model_len,
+            enable_chunked_prefill=self.enable_chunked_prefill,
+            long_prefill_token_threshold=self.long_prefill_token_threshold,
+            policy=policy,
+            async_scheduling=self.async_scheduling,
+        )
+
+    def _executor_backend(self) -> ExecutorBackend:
+        backend = self.distributed_executor_backend
+        if backend is None:
+            return "uni" if self.tensor_parallel_size == 1 else "mp"
+        if backend == "uni" and self.tensor_parallel_size > 1:
+            raise _fail("distributed_executor_backend", backend,
+                        "mp or ray when tensor_parallel_size > 1")
+        if backend == "mp":
+            return "mp"
+        return "ray" if backend == "ray" else "uni"
+
+    def _verify(self) -> None:
+        for name in ("max_num_seqs", "tensor_parallel_size", "data_parallel_size", "block_size"):
+            _require(name, getattr(self, name), lambda v: v >= 1, "an integer >= 1")
+        _require("block_size", self.block_size, lambda v: v & (v - 1) == 0 and v <= 256,
+                 "a power of two up to 256")
+        _require("max_num_batched_tokens", self.max_num_batched_tokens,
+                 lambda v: v is None or v >= 1, "an integer >= 1")
+        _require("long_prefill_token_threshold", self.long_prefill_token_threshold,
+                 lambda v: v >= 0, "an integer >= 0 (0: off)")
+        _require("gpu_memory_utilization", self.gpu_memory_utilization,
+                 lambda v: 0.0 < v <= 1.0, "a float in (0, 1]")
+        _require("kv_cache_memory", self.kv_cache_memory, lambda v: v is None or v > 0,
+                 "a byte count > 0")
+        _require("num_gpu_blocks_override", self.num_gpu_blocks_override,
+                 lambda v: v is None or v >= 1, "an integer >= 1")
+        _require("max_logprobs", self.max_logprobs, lambda v: v >= -1, "-1 (vocab) or >= 0")
+        _require("scheduling_policy", self.scheduling_policy,
+                 lambda v: v in get_args(SchedulingPolicy), "fcfs or priority")
+        _require("distributed_executor_backend", self.distributed_executor_backend,
+                 lambda v: v is None or v in get_args(ExecutorBackend), "uni, mp or ray")
+        _require("device", self.device, lambda v: v in ("auto", "cpu", "cuda"), "auto, cpu or cuda")
+        _require("dtype", self.dtype,
+                 lambda v: v in ("auto", "float32", "float", "bfloat16", "float16", "half"),
+                 "auto, float32, bfloat16 or float16")
+        _require("log_stats_interval", self.log_stats_interval, lambda v: v > 0, "seconds > 0")
+        _require("engine_recovery_timeout_sec", self.engine_recovery_timeout_sec,
+                 lambda v: v > 0, "seconds > 0")
+        _require("execute_model_timeout_s", self.execute_model_timeout_s,
+                 lambda v: v is None or v > 0, "seconds > 0")
+        _require("fault_tolerance_auto_retry", self.fault_tolerance_auto_retry,
+                 lambda v: v >= 0, "an integer >= 0")
+        for name in ("max_num_queued_reqs", "max_num_queued_tokens"):
+            _require(name, getattr(self, name), lambda v: v is None or v >= 1, "an integer >= 1")
+        if self.device == "cuda" and _resolve_device("auto") != "cuda":
+            raise _fail("device", self.device, "cpu or auto: no CUDA device is available")
+
+
+def _fail(field: str, value: object, allowed: str) -> ValueError:
+    return ValueError(f"EngineArgs.{field}: got {value!r}, allowed: {allowed}")
+
+
+def _require(field: str, value: Any, ok: Any, allowed: str) -> None:
+    try:
+        good = bool(ok(value))
+    except TypeError:
+        good = False
+    if not good:
+        raise _fail(field, value, allowed)
+
+
+def _resolve_device(device: str) -> Any:
+    if device != "auto":
+        return device
+    try:
+        import torch
+    except ImportError:
+        return "cpu"
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@dataclass(frozen=True)
+class _FlagSpec:
+    field: str
+    help: str
+    type: Any = None
+    choices: tuple[str, ...] | None = None
+    boolean: bool = False
+
+    def add_to(self, group: Any) -> None:
+        flag = "--" + self.field.replace("_", "-")
+        default = _DEFAULTS[self.field]
+        if self.boolean:
+            group.add_argument(flag, dest=self.field, action=argparse.BooleanOptionalAction,
+                               default=default, help=self.help)
+            return
+        group.add_argument(flag, dest=self.field, type=self.type, choices=self.choices,
+                           default=default, help=f"{self.help} (default: {default})")
+
+
+_DEFAULTS: dict[str, Any] = {f.name: f.default for f in dataclasses.fields(EngineArgs)}
+
+_FLAG_SPECS: tuple[_FlagSpec, ...] = (
+    _FlagSpec("model", "model directory, or ringserve-demo", str),
+    _FlagSpec("tokenizer", "tokenizer directory (default: the model's)", str),
+    _FlagSpec("served_model_name", "name clients use for the model (default: MODEL as given)", str),
+    _FlagSpec("dtype", "weight and activation dtype", str,
+              ("auto", "float32", "float", "bfloat16", "float16", "half")),
+    _FlagSpec("seed", "random seed", int),
+    _FlagSpec("max_model_len", "longest prompt + output in tokens (default: from config.json)", int),
+    _FlagSpec("block_size", "tokens per KV cache block", int),
+    _FlagSpec("enable_prefix_caching", "reuse KV blocks of common prefixes", boolean=True),
+    _FlagSpec("max_num_seqs", "most requests running at once", int),
+    _FlagSpec("max_num_batched_tokens", "token budget of one step", int),
+    _FlagSpec("enable_chunked_prefill", "split long prompts over steps", boolean=True),
+    _FlagSpec("long_prefill_token_threshold", "cap of one prompt chunk (0: off)", int),
+    _FlagSpec("tensor_parallel_size", "tensor parallel ranks", int),
+    _FlagSpec("data_parallel_size", "engine cores (data parallel ranks)", int),
+    _FlagSpec("distributed_executor_backend", "executor", str, ("uni", "mp", "ray")),
+    _FlagSpec("gpu_memory_utilization", "fraction of GPU memory to use", float),
+    _FlagSpec("kv_cache_memory", "KV cache size in bytes (e.g. 1G, 512MiB)", parse_bytes),
+    _FlagSpec("num_gpu_blocks_override", "exact number of KV blocks", int),
+    _FlagSpec("async_scheduling", "schedule the next step while one runs", boolean=True),
+    _FlagSpec("scheduling_policy", "scheduling policy", str, ("fcfs", "priority")),
+    _FlagSpec("max_logprobs", "cap on logprobs per position (-1: vocab)", int),
+    _FlagSpec("device", "device to run on", str, ("auto", "cpu", "cuda")),
+    _FlagSpec("disable_log_stats", "turn off the periodic stats log line", boolean=True),
+    _FlagSpec("log_stats_interval", "seconds between stats log lines", float),
+    _FlagSpec("enable_log_requests", "log each request", boolean=True),
+    _FlagSpec("enable_mfu_metrics", "export estimated FLOPs", boolean=True),
+    _FlagSpec("enable_fault_tolerance", "abort and await retry when a worker fails", boolean=True),
+    _FlagSpec("engine_recovery_timeout_sec", "seconds to wait for a retry/abort instruction", float),
+    _FlagSpec("execute_model_timeout_s", "a step slower than this is a fault", float),
+    _FlagSpec("fault_tolerance_auto_retry", "retries without an operator", int),
+    _FlagSpec("max_num_queued_reqs", "admission limit on requests (503 beyond)", int),
+    _FlagSpec("max_num_queued_tokens", "admission limit on prompt tokens in prefill", int),
+)

@@ -1,0 +1,179 @@
+"""Messages between the frontend (AsyncLLM, LLMEngine) and the engine core.
+
+Requests, aborts and utility calls flow to the core as one tagged union, `CoreInput`; each
+batch of results flows back as `EngineCoreOutputs`. All are msgspec Structs encoded with
+`ringserve.serial` (msgpack, arrays out of band, no pickle), over zmq ipc:// or tcp://, so a
+frontend and its cores may sit on different hosts.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Any
+
+import msgspec
+
+from ringserve.gpu.wire import Logprobs
+from ringserve.sampling_params import SamplingParams
+
+__all__ = [
+    "AbortRequests",
+    "AddRequest",
+    "CoreInput",
+    "EngineCoreEvent",
+    "EngineCoreEventType",
+    "EngineCoreOutput",
+    "EngineCoreOutputs",
+    "EngineCoreRequest",
+    "FinishReason",
+    "Logprobs",
+    "SchedulerStats",
+    "UtilityCall",
+    "UtilityOutput",
+]
+
+
+class FinishReason(enum.IntEnum):
+    """Why a sequence ended; `str()` gives the OpenAI-facing form ("stop", "length", ...)."""
+
+    STOP = 0
+    LENGTH = 1
+    ABORT = 2
+    ERROR = 3
+    REPETITION = 4
+
+    def __str__(self) -> str:
+        return self.name.lower()
+
+
+class EngineCoreEventType(enum.IntEnum):
+    """Request life-cycle events recorded by the core."""
+
+    QUEUED = 1
+    SCHEDULED = 2
+    PREEMPTED = 3
+
+
+class EngineCoreEvent(msgspec.Struct, array_like=True, gc=False):
+    """A life-cycle event with its `time.monotonic()` timestamp (seconds) in the core."""
+
+    type: EngineCoreEventType
+    timestamp: float
+
+
+class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """A tokenized request, sent once from the frontend to a core.
+
+    Attributes:
+        request_id: unique among in-flight requests of the frontend.
+        prompt_token_ids: the prompt, already tokenized.
+        sampling_params: validated sampling parameters.
+        arrival_time: `time.time()` when the frontend received the request.
+        priority: lower values are served first under the `priority` policy.
+        cache_salt: isolates this request's prefix-cache entries from other salts.
+        data_parallel_rank: pin to one DP rank; None lets the client balance.
+        client_index: which frontend client sent it (outputs are routed back by it).
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    arrival_time: float
+    priority: int = 0
+    cache_salt: str | None = None
+    data_parallel_rank: int | None = None
+    client_index: int = 0
+
+
+class AddRequest(msgspec.Struct, tag="add", array_like=True, gc=False):
+    """Frontend -> core: admit a request."""
+
+    request: EngineCoreRequest
+
+
+class AbortRequests(msgspec.Struct, tag="abort", array_like=True, gc=False):
+    """Frontend -> core: abort these requests (unknown ids are ignored)."""
+
+    request_ids: list[str]
+
+
+class UtilityCall(msgspec.Struct, tag="utility", array_like=True, gc=False):
+    """Frontend -> core: call a named utility method (reset_prefix_cache, retry, ...)."""
+
+    call_id: int
+    method: str
+    args: list[Any] = []
+    client_index: int = 0
+
+
+CoreInput = AddRequest | AbortRequests | UtilityCall
+
+
+class UtilityOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """Core -> frontend: the result of a `UtilityCall` (or why it failed)."""
+
+    call_id: int
+    failure_message: str | None = None
+    result: Any = None
+
+
+class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """Core -> frontend: what happened to one request in one step.
+
+    Attributes:
+        request_id: the request.
+        new_token_ids: tokens sampled this step.
+        new_logprobs: logprobs of `new_token_ids`, when asked for.
+        new_prompt_logprobs: logprobs of prompt positions computed this step, when asked for.
+        finish_reason: set on the request's last output.
+        stop_reason: the stop token id (or, from the frontend, stop string) that ended it.
+        events: life-cycle events since the last output, when stats are on.
+        num_cached_tokens: prompt tokens served from the prefix cache.
+    """
+
+    request_id: str
+    new_token_ids: list[int]
+    new_logprobs: Logprobs | None = None
+    new_prompt_logprobs: Logprobs | None = None
+    finish_reason: FinishReason | None = None
+    stop_reason: int | str | None = None
+    events: list[EngineCoreEvent] | None = None
+    num_cached_tokens: int = 0
+
+    @property
+    def finished(self) -> bool:
+        """True on the request's last output."""
+        return self.finish_reason is not None
+
+
+class SchedulerStats(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """Scheduler state snapshot sent with an output batch (for logging and Prometheus)."""
+
+    num_running_reqs: int = 0
+    num_waiting_reqs: int = 0
+    kv_cache_usage: float = 0.0
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    num_preemptions: int = 0
+    step_counter: int = 0
+    current_wave: int = 0
+
+
+class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """Core -> frontend: one batch of results.
+
+    Attributes:
+        engine_index: the data-parallel rank of the core that sent it.
+        outputs: per-request outputs of one step.
+        scheduler_stats: scheduler snapshot, when stats are on.
+        timestamp: `time.monotonic()` in the core when the batch was made.
+        utility_output: the answer to a utility call (then `outputs` is usually empty).
+        finished_requests: ids finished in the core this step (for clients that track them).
+    """
+
+    engine_index: int = 0
+    outputs: list[EngineCoreOutput] = []
+    scheduler_stats: SchedulerStats | None = None
+    timestamp: float = 0.0
+    utility_output: UtilityOutput | None = None
+    finished_requests: list[str] | None = None

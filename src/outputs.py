@@ -1,0 +1,86 @@
+"""User-facing results: `RequestOutput` and its `CompletionOutput`s.
+
+Built in the frontend (offline `LLM`, `AsyncLLM`) from the engine core's token deltas after
+detokenization; never sent across a process boundary, so these are plain dataclasses. The shape
+follows vLLM's so that code reading `out.outputs[0].text` keeps working.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+# One position's log-probabilities: token id -> (logprob, rank, decoded token or None).
+PositionLogprobs = dict[int, "Logprob"]
+
+
+@dataclass(slots=True)
+class Logprob:
+    """The log-probability of one candidate token at one position."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+@dataclass(slots=True)
+class RequestMetrics:
+    """Timestamps (monotonic seconds) and counts of a request's life, filled by the frontend."""
+
+    arrival_time: float
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    finished_time: float | None = None
+    num_generation_tokens: int = 0
+
+
+@dataclass(slots=True)
+class CompletionOutput:
+    """One of the `n` sequences generated for a request.
+
+    Attributes:
+        index: position among the request's `n` outputs.
+        text: generated text (cumulative, or only the new part for DELTA output).
+        token_ids: generated token ids (same cumulative/delta rule as `text`).
+        cumulative_logprob: sum of the sampled tokens' logprobs, when logprobs were asked for.
+        logprobs: per generated position, the top candidates, when asked for.
+        finish_reason: "stop", "length", "abort", "error" or "repetition"; None while running.
+        stop_reason: the stop string or stop token id that ended the sequence, if any.
+    """
+
+    index: int
+    text: str
+    token_ids: list[int]
+    cumulative_logprob: float | None = None
+    logprobs: list[PositionLogprobs] | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+    def finished(self) -> bool:
+        """True once the sequence has a finish reason."""
+        return self.finish_reason is not None
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    """The state of one request as seen by the caller.
+
+    Attributes:
+        request_id: the caller's (or generated) request id.
+        prompt: the prompt text, when the request was given as text.
+        prompt_token_ids: the prompt's token ids.
+        prompt_logprobs: per prompt position (None for the first), when asked for.
+        outputs: one `CompletionOutput` per sequence.
+        finished: True when every sequence has finished.
+        metrics: timing of the request, when stats are collected.
+        num_cached_tokens: prompt tokens served from the prefix cache.
+    """
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    prompt_logprobs: list[PositionLogprobs | None] | None
+    outputs: list[CompletionOutput]
+    finished: bool
+    metrics: RequestMetrics | None = None
+    num_cached_tokens: int = 0

@@ -1,0 +1,181 @@
+"""Sampling parameters: what a request asks of the sampler and the stop checks.
+
+`SamplingParams` is the one description of how to sample a request, shared by the offline `LLM`,
+`AsyncLLM`, the HTTP layer (which builds it from OpenAI bodies) and the engine core (it travels
+inside `EngineCoreRequest`). Field names, defaults and ranges follow vLLM's, so code written for
+vLLM ports by changing the import. Validation runs on construction and again whenever the struct
+is decoded from the wire, so a peer cannot smuggle an out-of-range value into the sampler.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Any
+
+import msgspec
+
+_GREEDY_EPS = 1e-5
+
+
+class RequestOutputKind(enum.IntEnum):
+    """How `generate` reports progress: the whole text so far, only what is new, or once."""
+
+    CUMULATIVE = 0
+    DELTA = 1
+    FINAL_ONLY = 2
+
+
+class SamplingType(enum.IntEnum):
+    """How the sampler draws the next token for a request."""
+
+    GREEDY = 0
+    RANDOM = 1
+    RANDOM_SEED = 2
+
+
+def _fail(field: str, value: object, allowed: str) -> ValueError:
+    return ValueError(f"SamplingParams.{field}: got {value!r}, allowed: {allowed}")
+
+
+class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """Sampling and stopping parameters for one request (vLLM's names, defaults and ranges).
+
+    Raises:
+        ValueError: on construction (or wire decoding) when a field is out of range; the
+            message names the field, the value given and what is allowed.
+    """
+
+    n: int = 1
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    detokenize: bool = True
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self._verify_counts()
+        self._verify_penalties()
+        self._verify_truncation()
+        self._verify_stops()
+        self._verify_token_lists()
+
+    def _verify_counts(self) -> None:
+        if self.n < 1:
+            raise _fail("n", self.n, "an integer >= 1")
+        if self.max_tokens is not None and self.max_tokens < 1:
+            raise _fail("max_tokens", self.max_tokens, "an integer >= 1, or None (up to max_model_len)")
+        if self.min_tokens < 0:
+            raise _fail("min_tokens", self.min_tokens, "an integer >= 0")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise _fail("min_tokens", self.min_tokens, f"at most max_tokens ({self.max_tokens})")
+        if self.logprobs is not None and self.logprobs < -1:
+            raise _fail("logprobs", self.logprobs, "None, -1 (whole vocabulary) or an integer >= 0")
+        if self.prompt_logprobs is not None and self.prompt_logprobs < -1:
+            raise _fail(
+                "prompt_logprobs", self.prompt_logprobs, "None, -1 (whole vocabulary) or an integer >= 0"
+            )
+
+    def _verify_penalties(self) -> None:
+        if not -2.0 <= self.presence_penalty <= 2.0:
+            raise _fail("presence_penalty", self.presence_penalty, "a float in [-2, 2]")
+        if not -2.0 <= self.frequency_penalty <= 2.0:
+            raise _fail("frequency_penalty", self.frequency_penalty, "a float in [-2, 2]")
+        if not self.repetition_penalty > 0.0:
+            raise _fail("repetition_penalty", self.repetition_penalty, "a float > 0")
+
+    def _verify_truncation(self) -> None:
+        if not self.temperature >= 0.0:
+            raise _fail("temperature", self.temperature, "a float >= 0 (0 means greedy)")
+        if not 0.0 < self.top_p <= 1.0:
+            raise _fail("top_p", self.top_p, "a float in (0, 1]")
+        if self.top_k < -1:
+            raise _fail("top_k", self.top_k, "0 or -1 (disabled) or an integer >= 1")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise _fail("min_p", self.min_p, "a float in [0, 1]")
+
+    def _verify_stops(self) -> None:
+        if self.stop is not None and any(s == "" for s in self.stop):
+            raise _fail("stop", self.stop, "non-empty strings")
+        if self.stop and not self.detokenize:
+            raise _fail("stop", self.stop, "stop strings only with detokenize=True")
+
+    def _verify_token_lists(self) -> None:
+        if self.stop_token_ids is not None and any(t < 0 for t in self.stop_token_ids):
+            raise _fail("stop_token_ids", self.stop_token_ids, "token ids >= 0")
+        if self.allowed_token_ids is not None:
+            if not self.allowed_token_ids:
+                raise _fail("allowed_token_ids", self.allowed_token_ids, "a non-empty list, or None")
+            if any(t < 0 for t in self.allowed_token_ids):
+                raise _fail("allowed_token_ids", self.allowed_token_ids, "token ids >= 0")
+        if self.logit_bias is not None:
+            for token, bias in self.logit_bias.items():
+                if token < 0 or not -100.0 <= bias <= 100.0:
+                    raise _fail(
+                        "logit_bias", {token: bias}, "token ids >= 0 mapped to biases in [-100, 100]"
+                    )
+
+    # -- checks that need the engine's limits ------------------------------------------------
+
+    def verify_for_model(self, *, vocab_size: int, max_logprobs: int) -> None:
+        """Check the fields whose range depends on the model and engine configuration.
+
+        Args:
+            vocab_size: the model's vocabulary size.
+            max_logprobs: the engine's cap on `logprobs` and `prompt_logprobs` (-1 = vocab).
+
+        Raises:
+            ValueError: naming the field, the value and the allowed range.
+        """
+        cap = vocab_size if max_logprobs == -1 else max_logprobs
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            wanted = vocab_size if value == -1 else value
+            if wanted is not None and wanted > cap:
+                raise _fail(name, value, f"at most max_logprobs={cap}")
+        for name in ("stop_token_ids", "allowed_token_ids"):
+            ids: list[int] | None = getattr(self, name)
+            if ids is not None and any(t >= vocab_size for t in ids):
+                raise _fail(name, ids, f"token ids < vocab size {vocab_size}")
+        if self.logit_bias is not None and any(t >= vocab_size for t in self.logit_bias):
+            raise _fail("logit_bias", self.logit_bias, f"token ids < vocab size {vocab_size}")
+
+    # -- derived values -----------------------------------------------------------------------
+
+    @property
+    def sampling_type(self) -> SamplingType:
+        """Greedy below a temperature of 1e-5; seeded random when a seed is given."""
+        if self.temperature < _GREEDY_EPS:
+            return SamplingType.GREEDY
+        return SamplingType.RANDOM if self.seed is None else SamplingType.RANDOM_SEED
+
+    @property
+    def stop_strings(self) -> list[str]:
+        """The stop strings as a list (possibly empty)."""
+        stop = self.stop
+        if stop is None:
+            return []
+        return [stop] if isinstance(stop, str) else list(stop)
+
+    def clone(self, **changes: Any) -> SamplingParams:
+        """A validated copy with some fields replaced (e.g. a child of an n > 1 request)."""
+        return msgspec.structs.replace(self, **changes)
