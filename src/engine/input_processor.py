@@ -1,0 +1,108 @@
+"""Input processing (frontend side): a prompt and SamplingParams become an EngineCoreRequest.
+
+Shared by the offline `LLMEngine` and `AsyncLLM`: validates the sampling parameters against the
+model (vocabulary, `max_logprobs`), tokenizes text prompts (the caller runs this off the event
+loop for long prompts), checks the prompt's token ids and length, and stamps the arrival time.
+Every problem raises `ValueError` naming what is wrong, before anything reaches the core.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, TypedDict
+
+from ringserve.config import ModelConfig
+from ringserve.engine.wire import EngineCoreRequest
+from ringserve.sampling_params import SamplingParams
+
+
+class TokensPrompt(TypedDict, total=False):
+    """A pre-tokenized prompt, as in vLLM: `{"prompt_token_ids": [...]}`."""
+
+    prompt_token_ids: list[int]
+    prompt: str
+    cache_salt: str
+
+
+PromptType = str | TokensPrompt
+
+
+class InputProcessor:
+    """Validates and tokenizes requests for one model.
+
+    Args:
+        model_config: the model (vocabulary size, max_model_len, max_logprobs).
+        tokenizer: a transformers tokenizer, or None when prompts come as token ids only.
+    """
+
+    def __init__(self, model_config: ModelConfig, tokenizer: Any) -> None:
+        self.model_config = model_config
+        self.tokenizer = tokenizer
+
+    def process(
+        self,
+        request_id: str,
+        prompt: PromptType,
+        params: SamplingParams,
+        *,
+        arrival_time: float | None = None,
+        priority: int = 0,
+        data_parallel_rank: int | None = None,
+    ) -> tuple[EngineCoreRequest, str | None]:
+        """Build the core request; returns it with the prompt text (None for token prompts).
+
+        Raises:
+            ValueError: bad sampling parameters, an empty or over-long prompt, token ids
+                outside the vocabulary, or a text prompt without a tokenizer.
+        """
+        cfg = self.model_config
+        params.verify_for_model(vocab_size=cfg.vocab_size, max_logprobs=cfg.max_logprobs)
+        text, token_ids, cache_salt = self._tokenize(prompt)
+        self._check_prompt(token_ids, params)
+        request = EngineCoreRequest(
+            request_id=request_id,
+            prompt_token_ids=token_ids,
+            sampling_params=params,
+            arrival_time=time.time() if arrival_time is None else arrival_time,
+            priority=priority,
+            cache_salt=cache_salt,
+            data_parallel_rank=data_parallel_rank,
+        )
+        return request, text
+
+    def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int], str | None]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("prompt: text prompts need a tokenizer; pass prompt_token_ids")
+            return prompt, list(self.tokenizer(prompt).input_ids), None
+        if not isinstance(prompt, dict):
+            raise ValueError(f"prompt: expected a string or a dict with prompt_token_ids, "
+                             f"got {type(prompt).__name__}")
+        if "prompt_token_ids" in prompt:
+            ids = prompt["prompt_token_ids"]
+            if not isinstance(ids, list) or not all(isinstance(i, int) for i in ids):
+                raise ValueError("prompt_token_ids: expected a list of integers")
+            return prompt.get("prompt"), list(ids), prompt.get("cache_salt")
+        if "prompt" in prompt:
+            text, ids, _ = self._tokenize(prompt["prompt"])
+            return text, ids, prompt.get("cache_salt")
+        raise ValueError("prompt: a dict prompt needs 'prompt_token_ids' or 'prompt'")
+
+    def _check_prompt(self, token_ids: list[int], params: SamplingParams) -> None:
+        cfg = self.model_config
+        if not token_ids:
+            raise ValueError("prompt: empty prompts are not allowed (no tokens to start from)")
+        bad = [t for t in token_ids if not 0 <= t < cfg.vocab_size]
+        if bad:
+            raise ValueError(f"prompt_token_ids: {bad[:5]} outside the vocabulary "
+                             f"[0, {cfg.vocab_size})")
+        if len(token_ids) >= cfg.max_model_len:
+            raise ValueError(
+                f"prompt: {len(token_ids)} tokens, but max_model_len is {cfg.max_model_len} "
+                "(the prompt plus at least one output token must fit)"
+            )
+        if params.max_tokens is not None and params.min_tokens > cfg.max_model_len - len(token_ids):
+            raise ValueError(
+                f"min_tokens: {params.min_tokens} cannot fit after a {len(token_ids)}-token prompt "
+                f"within max_model_len {cfg.max_model_len}"
+            )

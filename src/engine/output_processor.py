@@ -1,0 +1,236 @@
+"""Output processing (frontend side): engine-core token deltas become `RequestOutput`s.
+
+`LLMEngine` and `AsyncLLM` hand each batch of `EngineCoreOutput`s to one `OutputProcessor`,
+which keeps a `RequestState` per request (detokenizer, logprobs, timing), applies stop strings
+(collecting the ids the core must abort because the frontend stopped them), shapes the result by
+output kind (cumulative, delta, final only) and merges the children of an n > 1 request through
+their `ParentRequest`. Pure Python over the wire structs: no trio, zmq or torch.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from ringserve.engine.detokenizer import IncrementalDetokenizer
+from ringserve.engine.logprobs import LogprobsAccumulator
+from ringserve.engine.parent_request import ParentRequest
+from ringserve.engine.wire import EngineCoreOutput, EngineCoreRequest, FinishReason
+from ringserve.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from ringserve.sampling_params import RequestOutputKind
+
+
+class RequestState:
+    """Everything the frontend tracks for one (child) request."""
+
+    def __init__(
+        self,
+        request: EngineCoreRequest,
+        prompt: str | None,
+        tokenizer: Any,
+        parent: ParentRequest | None,
+        index: int,
+        queue: Any,
+    ) -> None:
+        params = request.sampling_params
+        self.request_id = request.request_id
+        self.external_id = parent.request_id if parent is not None else request.request_id
+        self.prompt = prompt
+        self.prompt_token_ids = request.prompt_token_ids
+        self.parent = parent
+        self.index = index
+        self.queue = queue
+        self.output_kind = params.output_kind
+        self.detokenizer = IncrementalDetokenizer.for_request(tokenizer, request.prompt_token_ids,
+                                                              params)
+        self.logprobs = LogprobsAccumulator(tokenizer, params.logprobs, params.prompt_logprobs)
+        self.metrics = RequestMetrics(arrival_time=request.arrival_time)
+        self.num_cached_tokens = 0
+        self.finish_reason: FinishReason | None = None
+        self.stop_reason: int | str | None = None
+        self._sent_prompt_logprobs = False
+
+    def apply(self, out: EngineCoreOutput) -> bool:
+        """Fold one core output in; returns True if a stop string ended the request here."""
+        now = time.time()
+        if out.new_token_ids:
+            if self.metrics.first_token_time is None:
+                self.metrics.first_token_time = now
+            self.metrics.last_token_time = now
+            self.metrics.num_generation_tokens += len(out.new_token_ids)
+        self.num_cached_tokens = max(self.num_cached_tokens, out.num_cached_tokens)
+        self.logprobs.add_prompt(out.new_prompt_logprobs)
+        self.logprobs.add_sampled(out.new_logprobs)
+        # The core stops on EOS (stop_reason None) or a stop token id: that token is no text.
+        stop_terminated = (out.finish_reason is FinishReason.STOP
+                           and not isinstance(out.stop_reason, str))
+        stop_string = self.detokenizer.update(out.new_token_ids, stop_terminated)
+        if stop_string is not None:
+            self.finish_reason, self.stop_reason = FinishReason.STOP, stop_string
+        elif out.finish_reason is not None:
+            self.finish_reason, self.stop_reason = out.finish_reason, out.stop_reason
+        if self.finish_reason is not None:
+            self.metrics.finished_time = now
+        return stop_string is not None and out.finish_reason is None
+
+    @property
+    def finished(self) -> bool:
+        """True once the core or a stop string ended the request."""
+        return self.finish_reason is not None
+
+    def completion(self, new_token_ids: list[int]) -> CompletionOutput | None:
+        """This request's CompletionOutput for its output kind (None: nothing to report)."""
+        finished = self.finished
+        kind = self.output_kind
+        if kind is RequestOutputKind.FINAL_ONLY and not finished:
+            return None
+        if kind is RequestOutputKind.DELTA:
+            text = self.detokenizer.text_delta(finished)
+            token_ids = new_token_ids
+            all_logprobs = self.logprobs.logprobs
+            logprobs = None
+            if all_logprobs is not None:
+                logprobs = all_logprobs[len(all_logprobs) - len(new_token_ids):]
+        else:
+            text = self.detokenizer.visible_text(finished)
+            token_ids = list(self.detokenizer.token_ids)
+            logprobs = self.logprobs.logprobs
+        if not new_token_ids and not finished:
+            return None
+        return CompletionOutput(
+            index=self.index,
+            text=text,
+            token_ids=token_ids,
+            cumulative_logprob=self.logprobs.cumulative_logprob,
+            logprobs=logprobs,
+            finish_reason=str(self.finish_reason) if self.finish_reason is not None else None,
+            stop_reason=self.stop_reason,
+        )
+
+    def prompt_logprobs_for_output(self) -> Any:
+        """Prompt logprobs: in every cumulative output, once for delta outputs."""
+        if self.logprobs.prompt_logprobs is None:
+            return None
+        if self.output_kind is RequestOutputKind.DELTA:
+            if self._sent_prompt_logprobs:
+                return None
+            self._sent_prompt_logprobs = True
+        return self.logprobs.prompt_logprobs
+
+
+@dataclass
+class ProcessedOutputs:
+    """The result of one `process_outputs` call.
+
+    Attributes:
+        request_outputs: outputs for callers without a queue (the sync LLMEngine).
+        reqs_to_abort: requests a stop string ended that the core must abort.
+    """
+
+    request_outputs: list[RequestOutput] = field(default_factory=list)
+    reqs_to_abort: list[str] = field(default_factory=list)
+
+
+class OutputProcessor:
+    """Per-request state for a frontend, fed with each batch of core outputs.
+
+    Args:
+        tokenizer: a transformers tokenizer (None: token ids only, no text).
+    """
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        self.request_states: dict[str, RequestState] = {}
+        self.parent_requests: dict[str, ParentRequest] = {}
+
+    def add_request(
+        self,
+        request: EngineCoreRequest,
+        prompt: str | None,
+        parent: ParentRequest | None = None,
+        index: int = 0,
+        queue: Any = None,
+    ) -> None:
+        """Start tracking a (child) request.
+
+        Raises:
+            ValueError: the request id is already in flight.
+        """
+        if request.request_id in self.request_states:
+            raise ValueError(f"request_id {request.request_id!r} is already in flight")
+        self.request_states[request.request_id] = RequestState(
+            request, prompt, self.tokenizer, parent, index, queue)
+        if parent is not None:
+            self.parent_requests[parent.request_id] = parent
+
+    def abort_requests(self, request_ids: list[str]) -> list[str]:
+        """Stop tracking requests (parents expand to their children); returns core ids."""
+        core_ids: list[str] = []
+        for rid in request_ids:
+            parent = self.parent_requests.pop(rid, None)
+            ids = list(parent.child_ids) if parent is not None else [rid]
+            for cid in ids:
+                if self.request_states.pop(cid, None) is not None:
+                    core_ids.append(cid)
+        return core_ids
+
+    def has_unfinished_requests(self) -> bool:
+        """True while any request is tracked."""
+        return bool(self.request_states)
+
+    def get_num_unfinished_requests(self) -> int:
+        """Number of tracked (child) requests."""
+        return len(self.request_states)
+
+    def process_outputs(self, outputs: list[EngineCoreOutput]) -> ProcessedOutputs:
+        """Fold one batch of core outputs into request states and build RequestOutputs.
+
+        Outputs of requests no longer tracked (aborted meanwhile) are dropped. Requests with
+        a queue get their RequestOutput put there; others are returned.
+        """
+        result = ProcessedOutputs()
+        for out in outputs:
+            state = self.request_states.get(out.request_id)
+            if state is None:
+                continue
+            if state.apply(out):
+                result.reqs_to_abort.append(out.request_id)
+            request_output = self._make_output(state, out.new_token_ids)
+            if state.finished:
+                self._forget(state)
+            if request_output is None:
+                continue
+            if state.queue is not None:
+                state.queue.put(request_output)
+            else:
+                result.request_outputs.append(request_output)
+        return result
+
+    def _make_output(self, state: RequestState, new_token_ids: list[int]) -> RequestOutput | None:
+        completion = state.completion(new_token_ids)
+        if state.parent is not None:
+            completions, finished = state.parent.merge(state.index, completion, state.finished,
+                                                       state.output_kind)
+            if completions is None:
+                return None
+        else:
+            if completion is None:
+                return None
+            completions, finished = [completion], state.finished
+        return RequestOutput(
+            request_id=state.external_id,
+            prompt=state.prompt,
+            prompt_token_ids=state.prompt_token_ids,
+            prompt_logprobs=state.prompt_logprobs_for_output(),
+            outputs=completions,
+            finished=finished,
+            metrics=state.metrics,
+            num_cached_tokens=state.num_cached_tokens,
+        )
+
+    def _forget(self, state: RequestState) -> None:
+        del self.request_states[state.request_id]
+        parent = state.parent
+        if parent is not None and parent.all_finished:
+            self.parent_requests.pop(parent.request_id, None)
