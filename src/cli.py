@@ -1,6 +1,7 @@
 """The `ringserve` command: subcommands over the library, with one-line errors for mistakes.
 
-`ringserve demo-model PATH` writes the demo model directory. A user mistake (bad flag, missing model directory, out-of-range value) prints one
+`ringserve demo-model PATH` writes the demo model directory; `ringserve bench ipc` runs the ring
+benchmark. A user mistake (bad flag, missing model directory, out-of-range value) prints one
 `ringserve: error: ...` line and exits with status 2, never a traceback.
 """
 
@@ -31,6 +32,12 @@ def _demo_model(ns: argparse.Namespace) -> int:
     return 0
 
 
+def _bench_ipc(ns: argparse.Namespace) -> int:
+    from ringserve.shm import bench
+
+    return bench.main(list(ns.passthrough))
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The top-level parser with every subcommand."""
     from ringserve import __version__
@@ -51,13 +58,23 @@ def build_parser() -> argparse.ArgumentParser:
                       help="model family and size (default: demo, the Llama demo model)")
     demo.add_argument("--seed", type=int, default=0, help="weights and tokenizer seed")
     demo.set_defaults(handler=_demo_model)
+
+    bench = sub.add_parser("bench", help="benchmarks (see docs/benchmarks.md)")
+    bench_sub = bench.add_subparsers(dest="bench", metavar="BENCH", required=True)
+    ipc = bench_sub.add_parser("ipc", help="shm rings vs zmq ipc and multiprocessing.Pipe",
+                               add_help=False)
+    ipc.set_defaults(handler=_bench_ipc, passthrough_ok=True)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line; returns the process exit status."""
     parser = build_parser()
-    ns = parser.parse_args(argv)
+    # Benchmarks parse their own flags: pass what the top-level parser does not know.
+    ns, rest = parser.parse_known_args(argv)
+    if rest and not getattr(ns, "passthrough_ok", False):
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
+    ns.passthrough = rest
     handler: Handler = ns.handler
     try:
         return handler(ns)

@@ -19,7 +19,7 @@ def _run(*args: str) -> subprocess.CompletedProcess[str]:
 def test_help_lists_commands() -> None:
     proc = _run("--help")
     assert proc.returncode == 0
-    assert "demo-model" in proc.stdout
+    assert "demo-model" in proc.stdout and "bench" in proc.stdout
 
 
 @pytest.mark.slow
