@@ -18,13 +18,14 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-import os
 import random
 import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from ringserve.envs import ringserve_home
 
 FACTORY_VERSION = 1
 
@@ -85,11 +86,6 @@ PRESETS: dict[str, TinyModelSpec] = {
     "qwen2": TinyModelSpec(arch="qwen2", tie_word_embeddings=True),
     "qwen3": TinyModelSpec(arch="qwen3", head_dim=32),
 }
-
-
-def ringserve_home() -> Path:
-    """The cache root: $RINGSERVE_HOME, else ~/.cache/ringserve."""
-    return Path(os.environ.get("RINGSERVE_HOME") or Path.home() / ".cache" / "ringserve")
 
 
 def tiny_model(preset: str = "llama", **overrides: Any) -> Path:

@@ -102,6 +102,8 @@ class ModelRunnerOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=
         logprobs: rows aligned with the concatenation of `sampled_token_ids`, when any
             request asked for logprobs (rows of other requests are present but ignored).
         prompt_logprobs: request id -> logprobs of the prompt positions computed this step.
+        request_errors: request id -> why that request failed alone this step (a prompt the
+            worker rejects, NaN logits); the core ends it with finish reason error.
     """
 
     step_id: int
@@ -109,3 +111,4 @@ class ModelRunnerOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=
     sampled_token_ids: list[list[int]] = []
     logprobs: Logprobs | None = None
     prompt_logprobs: dict[str, Logprobs] = {}
+    request_errors: dict[str, str] = {}

@@ -1,0 +1,22 @@
+"""Errors of the engine package: per-request versus engine-fatal.
+
+`EngineGenerateError` ends one request; `EngineDeadError` means the engine core is gone and
+every pending and new request fails with it; `EngineStartupError` carries the reason a core
+reported (or the way it died) during its start-up handshake.
+"""
+
+from __future__ import annotations
+
+from ringserve.errors import RingserveError
+
+
+class EngineGenerateError(RingserveError):
+    """One request failed (bad input found late, a worker-side per-request error)."""
+
+
+class EngineDeadError(RingserveError):
+    """The engine core died or was shut down; no request can be served."""
+
+
+class EngineStartupError(RingserveError):
+    """An engine core failed to start; the message is the core's own reason."""

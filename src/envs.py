@@ -1,0 +1,58 @@
+"""Every environment variable ringserve reads, typed, in one place (all prefixed RINGSERVE_).
+
+| variable | default | meaning |
+| --- | --- | --- |
+| RINGSERVE_HOME | ~/.cache/ringserve | cache root (tiny and demo models) |
+| RINGSERVE_ENABLE_MULTIPROCESSING | 1 | `LLM`/`LLMEngine` run the engine core in its own process |
+| RINGSERVE_ENGINE_READY_TIMEOUT_S | 600 | seconds a frontend waits for a core's start-up handshake |
+| RINGSERVE_OUTPUT_PROC_CHUNK_SIZE | 128 | outputs the async output handler processes between yields |
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+
+def _bool(name: str, default: bool) -> bool:
+    raw = os.environ.get(name)
+    if raw is None or raw == "":
+        return default
+    if raw.lower() in ("1", "true", "yes", "on"):
+        return True
+    if raw.lower() in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"{name}: got {raw!r}, allowed: 0/1, true/false, yes/no, on/off")
+
+
+def _number(name: str, default: float, *, minimum: float) -> float:
+    raw = os.environ.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ValueError(f"{name}: got {raw!r}, allowed: a number >= {minimum}") from None
+    if value < minimum:
+        raise ValueError(f"{name}: got {raw!r}, allowed: a number >= {minimum}")
+    return value
+
+
+def ringserve_home() -> Path:
+    """RINGSERVE_HOME, else ~/.cache/ringserve."""
+    return Path(os.environ.get("RINGSERVE_HOME") or Path.home() / ".cache" / "ringserve")
+
+
+def enable_multiprocessing() -> bool:
+    """RINGSERVE_ENABLE_MULTIPROCESSING (default on)."""
+    return _bool("RINGSERVE_ENABLE_MULTIPROCESSING", True)
+
+
+def engine_ready_timeout_s() -> float:
+    """RINGSERVE_ENGINE_READY_TIMEOUT_S (default 600)."""
+    return _number("RINGSERVE_ENGINE_READY_TIMEOUT_S", 600.0, minimum=1.0)
+
+
+def output_proc_chunk_size() -> int:
+    """RINGSERVE_OUTPUT_PROC_CHUNK_SIZE (default 128)."""
+    return int(_number("RINGSERVE_OUTPUT_PROC_CHUNK_SIZE", 128, minimum=1))

@@ -1,0 +1,1 @@
+"""Paged attention: per-step metadata, the torch reference, Triton kernels and backend choice."""

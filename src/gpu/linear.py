@@ -1,0 +1,122 @@
+"""Tensor-parallel linear layers and their sharded weight loading.
+
+`ColumnParallelLinear` splits the output features over the TP ranks (each rank holds a slice of
+every logical sub-matrix, so fused projections such as q/k/v or gate/up stay fused per rank);
+`RowParallelLinear` splits the input features and sums the partial products with an all-reduce.
+The model code (`ringserve.gpu.models`) builds them; the loader (`ringserve.gpu.loader`) feeds
+each checkpoint tensor to `load(...)`, which narrows it to this rank's shard, so a full copy of
+a parallel weight never lives on a rank longer than the copy itself.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ringserve.gpu.parallel import TPGroup
+
+
+class ColumnParallelLinear(nn.Module):
+    """y = x W^T + b with W's rows split over the ranks; output stays sharded.
+
+    Args:
+        input_size: input features.
+        output_sizes: the full row count of each fused sub-matrix (e.g. [q, k, v]); each is
+            split evenly over the ranks.
+        bias: whether the layer has a bias.
+        tp: the tensor-parallel group.
+        dtype: parameter dtype.
+        shard_ranks: per sub-matrix, the number of distinct shards (defaults to the world
+            size); a smaller value replicates that sub-matrix across groups of ranks (used for
+            key/value heads when there are fewer KV heads than ranks).
+    """
+
+    def __init__(
+        self,
+        input_size: int,
+        output_sizes: list[int],
+        *,
+        bias: bool,
+        tp: TPGroup,
+        dtype: torch.dtype,
+        shard_ranks: list[int] | None = None,
+    ) -> None:
+        super().__init__()
+        self.tp = tp
+        self.shard_ranks = shard_ranks or [tp.world_size] * len(output_sizes)
+        self.local_sizes = [
+            _divide(size, n, "output features") for size, n in zip(output_sizes, self.shard_ranks, strict=True)
+        ]
+        self.offsets = [sum(self.local_sizes[:i]) for i in range(len(self.local_sizes))]
+        out = sum(self.local_sizes)
+        self.weight = nn.Parameter(torch.empty(out, input_size, dtype=dtype), requires_grad=False)
+        self.bias = (
+            nn.Parameter(torch.empty(out, dtype=dtype), requires_grad=False) if bias else None
+        )
+
+    def _shard_index(self, shard_id: int) -> int:
+        n = self.shard_ranks[shard_id]
+        return self.tp.rank * n // self.tp.world_size
+
+    def load(self, name: str, loaded: torch.Tensor, shard_id: int = 0) -> None:
+        """Copy this rank's rows of sub-matrix `shard_id` from a full checkpoint tensor.
+
+        Args:
+            name: "weight" or "bias".
+            loaded: the full (unsharded) checkpoint tensor of that sub-matrix.
+            shard_id: which fused sub-matrix `loaded` is.
+        """
+        param = self.weight if name == "weight" else self.bias
+        if param is None:
+            raise ValueError(f"checkpoint has a bias for a layer built without one ({name})")
+        size = self.local_sizes[shard_id]
+        src = loaded.narrow(0, self._shard_index(shard_id) * size, size)
+        param.data.narrow(0, self.offsets[shard_id], size).copy_(src)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's slice of the output features."""
+        return F.linear(x, self.weight, self.bias)
+
+
+class RowParallelLinear(nn.Module):
+    """y = x W^T + b with W's columns split over the ranks and an all-reduce of the partials.
+
+    The input must already be sharded on its last dimension (the output of a column-parallel
+    layer); the bias is added once, after the reduction.
+    """
+
+    def __init__(
+        self, input_size: int, output_size: int, *, bias: bool, tp: TPGroup, dtype: torch.dtype
+    ) -> None:
+        super().__init__()
+        self.tp = tp
+        self.local_in = _divide(input_size, tp.world_size, "input features")
+        self.weight = nn.Parameter(
+            torch.empty(output_size, self.local_in, dtype=dtype), requires_grad=False
+        )
+        self.bias = (
+            nn.Parameter(torch.empty(output_size, dtype=dtype), requires_grad=False) if bias else None
+        )
+
+    def load(self, name: str, loaded: torch.Tensor, shard_id: int = 0) -> None:
+        """Copy this rank's columns of the weight (or the whole bias)."""
+        del shard_id
+        if name == "bias":
+            if self.bias is None:
+                raise ValueError("checkpoint has a bias for a row-parallel layer built without one")
+            self.bias.data.copy_(loaded)
+            return
+        start = self.tp.rank * self.local_in
+        self.weight.data.copy_(loaded.narrow(1, start, self.local_in))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """The full output, summed over the ranks."""
+        y = self.tp.all_reduce(F.linear(x, self.weight))
+        return y if self.bias is None else y + self.bias
+
+
+def _divide(total: int, parts: int, what: str) -> int:
+    if total % parts:
+        raise ValueError(f"tensor_parallel_size: {parts} shards do not divide {what} ({total})")
+    return total // parts

@@ -1,0 +1,240 @@
+"""The Llama decoder on a paged KV cache: Llama itself, and the base of Mistral, Qwen2, Qwen3.
+
+Module names mirror transformers' (`model.layers.N.self_attn...`) so checkpoint names map onto
+them; q/k/v and gate/up are fused into one column-parallel projection each (`PACKED` says how
+checkpoint names map onto the fused shards). The loader (`ringserve.gpu.loader`) builds a model
+from the registry and calls `load_weights`; the model runner calls `forward` on a flat batch
+and `compute_logits` on the rows it samples. Submodules are called through `.forward(...)` so
+the types stay precise (torch's `Module.__call__` returns Any); no hooks are used here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ringserve.config import ModelConfig
+from ringserve.gpu.attention.backend import AttentionBackend
+from ringserve.gpu.attention.metadata import AttentionMetadata
+from ringserve.gpu.linear import ColumnParallelLinear, RowParallelLinear
+from ringserve.gpu.models.spec import DecoderSpec
+from ringserve.gpu.norm import RMSNorm
+from ringserve.gpu.parallel import TPGroup
+from ringserve.gpu.rotary import RotaryEmbedding
+from ringserve.gpu.vocab_embedding import ParallelLMHead, VocabParallelEmbedding
+
+# checkpoint sub-module name -> (fused module name, shard index)
+PACKED: dict[str, tuple[str, int]] = {
+    "q_proj": ("qkv_proj", 0),
+    "k_proj": ("qkv_proj", 1),
+    "v_proj": ("qkv_proj", 2),
+    "gate_proj": ("gate_up_proj", 0),
+    "up_proj": ("gate_up_proj", 1),
+}
+
+
+class LlamaAttention(nn.Module):
+    """Self-attention with GQA, rope, optional qkv bias and q/k norm, over the paged cache."""
+
+    def __init__(
+        self, spec: DecoderSpec, tp: TPGroup, backend: AttentionBackend, rotary: RotaryEmbedding
+    ) -> None:
+        super().__init__()
+        d = spec.head_dim
+        self.num_heads = tp.shard_size(spec.num_heads, "num_attention_heads")
+        kv_shards = spec.num_kv_heads if spec.num_kv_heads < tp.world_size else tp.world_size
+        if spec.num_kv_heads < tp.world_size and tp.world_size % spec.num_kv_heads:
+            raise ValueError(
+                f"num_key_value_heads ({spec.num_kv_heads}) must divide tensor_parallel_size "
+                f"({tp.world_size}) when it is smaller"
+            )
+        self.num_kv_heads = max(1, spec.num_kv_heads // tp.world_size)
+        self.head_dim = d
+        self.scale = d**-0.5
+        self.qkv_proj = ColumnParallelLinear(
+            spec.hidden_size,
+            [spec.num_heads * d, spec.num_kv_heads * d, spec.num_kv_heads * d],
+            bias=spec.qkv_bias, tp=tp, dtype=spec.dtype,
+            shard_ranks=[tp.world_size, kv_shards, kv_shards],
+        )
+        self.o_proj = RowParallelLinear(
+            spec.num_heads * d, spec.hidden_size, bias=False, tp=tp, dtype=spec.dtype
+        )
+        self.q_norm = RMSNorm(d, spec.rms_norm_eps, spec.dtype) if spec.qk_norm else None
+        self.k_norm = RMSNorm(d, spec.rms_norm_eps, spec.dtype) if spec.qk_norm else None
+        self.backend = backend
+        self.rotary = [rotary]  # a list, so the shared table is not registered once per layer
+
+    def forward(
+        self,
+        positions: torch.Tensor,
+        hidden: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        """Attention output [T, hidden] for hidden states [T, hidden]."""
+        t, d = hidden.shape[0], self.head_dim
+        q_size, kv_size = self.num_heads * d, self.num_kv_heads * d
+        qkv = self.qkv_proj.forward(hidden)
+        q = qkv[:, :q_size].reshape(t, self.num_heads, d)
+        k = qkv[:, q_size : q_size + kv_size].reshape(t, self.num_kv_heads, d)
+        v = qkv[:, q_size + kv_size :].reshape(t, self.num_kv_heads, d)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm.forward(q), self.k_norm.forward(k)
+        q, k = self.rotary[0].forward(positions, q, k)
+        self.backend.write_kv(k, v, kv_cache, meta.slot_mapping)
+        out = self.backend.attend(q, kv_cache, meta, self.scale)
+        return self.o_proj.forward(out.reshape(t, q_size))
+
+
+class LlamaMLP(nn.Module):
+    """SwiGLU MLP: down(silu(gate(x)) * up(x)), gate/up fused and column-parallel."""
+
+    def __init__(self, spec: DecoderSpec, tp: TPGroup) -> None:
+        super().__init__()
+        size = spec.intermediate_size
+        self.gate_up_proj = ColumnParallelLinear(
+            spec.hidden_size, [size, size], bias=spec.mlp_bias, tp=tp, dtype=spec.dtype
+        )
+        self.down_proj = RowParallelLinear(
+            size, spec.hidden_size, bias=spec.mlp_bias, tp=tp, dtype=spec.dtype
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """The MLP output for `x` [T, hidden]."""
+        gate, up = self.gate_up_proj.forward(x).chunk(2, dim=-1)
+        return self.down_proj.forward(F.silu(gate) * up)
+
+
+class LlamaDecoderLayer(nn.Module):
+    """Pre-norm attention and MLP blocks with residual connections."""
+
+    def __init__(
+        self, spec: DecoderSpec, tp: TPGroup, backend: AttentionBackend, rotary: RotaryEmbedding
+    ) -> None:
+        super().__init__()
+        self.self_attn = LlamaAttention(spec, tp, backend, rotary)
+        self.mlp = LlamaMLP(spec, tp)
+        self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, spec.dtype)
+        self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, spec.dtype)
+
+    def forward(
+        self,
+        positions: torch.Tensor,
+        hidden: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        """One decoder layer over the flat batch."""
+        attn = self.self_attn.forward(
+            positions, self.input_layernorm.forward(hidden), kv_cache, meta
+        )
+        hidden = hidden + attn
+        return hidden + self.mlp.forward(self.post_attention_layernorm.forward(hidden))
+
+
+class LlamaModel(nn.Module):
+    """Embedding, decoder layers and the final norm."""
+
+    def __init__(self, spec: DecoderSpec, tp: TPGroup, backend: AttentionBackend) -> None:
+        super().__init__()
+        self.rotary = RotaryEmbedding(spec.head_dim, spec.max_position, spec.rope)
+        self.embed_tokens = VocabParallelEmbedding(
+            spec.vocab_size, spec.hidden_size, tp=tp, dtype=spec.dtype
+        )
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(spec, tp, backend, self.rotary) for _ in range(spec.num_layers)
+        )
+        self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, spec.dtype)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[torch.Tensor],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        """Final hidden states [T, hidden] for a flat batch of tokens."""
+        hidden = self.embed_tokens.forward(input_ids)
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            assert isinstance(layer, LlamaDecoderLayer)
+            hidden = layer.forward(positions, hidden, kv_cache, meta)
+        return self.norm.forward(hidden)
+
+
+class LlamaForCausalLM(nn.Module):
+    """The decoder plus the (possibly tied) vocabulary-parallel LM head.
+
+    Args:
+        spec: the model's shape and options.
+        tp: the tensor-parallel group.
+        backend: the attention backend every layer uses.
+    """
+
+    def __init__(self, spec: DecoderSpec, tp: TPGroup, backend: AttentionBackend) -> None:
+        super().__init__()
+        self.spec = spec
+        self.model = LlamaModel(spec, tp, backend)
+        self.lm_head = ParallelLMHead(spec.vocab_size, spec.hidden_size, tp=tp, dtype=spec.dtype)
+        if spec.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    @classmethod
+    def from_config(
+        cls, config: ModelConfig, tp: TPGroup, backend: AttentionBackend
+    ) -> LlamaForCausalLM:
+        """Build the (unloaded) model for `config`.
+
+        Raises:
+            ValueError: an unsupported rope type or tensor-parallel split.
+        """
+        return cls(DecoderSpec.from_model_config(config), tp, backend)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[torch.Tensor],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        """Final hidden states [T, hidden]; see `LlamaModel.forward`."""
+        return self.model.forward(input_ids, positions, kv_caches, meta)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Logits [N, vocab] for hidden states [N, hidden]."""
+        return self.lm_head.compute_logits(hidden)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Load checkpoint tensors one at a time, sharded for this rank.
+
+        Raises:
+            ValueError: a checkpoint name matches no parameter, or a parameter (or a fused
+                shard of one) is missing from the checkpoint.
+        """
+        expected = self._expected_shards()
+        loaded: set[tuple[str, int]] = set()
+        for name, tensor in weights:
+            if "rotary_emb" in name or (self.spec.tie_word_embeddings and name == "lm_head.weight"):
+                continue
+            module_name, _, param = name.rpartition(".")
+            owner, _, leaf = module_name.rpartition(".")
+            fused, shard = PACKED.get(leaf, (leaf, 0))
+            target = f"{owner}.{fused}" if owner else fused
+            if (f"{target}.{param}", shard) not in expected:
+                raise ValueError(f"checkpoint tensor {name!r} matches no parameter of {type(self).__name__}")
+            self.get_submodule(target).load(param, tensor, shard)  # type: ignore[operator]
+            loaded.add((f"{target}.{param}", shard))
+        missing = sorted(f"{n}[{s}]" for n, s in expected - loaded)
+        if missing:
+            raise ValueError(f"checkpoint lacks {len(missing)} tensors, e.g. {missing[:5]}")
+
+    def _expected_shards(self) -> set[tuple[str, int]]:
+        expected: set[tuple[str, int]] = set()
+        for name, _ in self.named_parameters():
+            module = self.get_submodule(name.rpartition(".")[0])
+            shards = len(module.local_sizes) if isinstance(module, ColumnParallelLinear) else 1
+            expected.update((name, s) for s in range(shards))
+        return expected

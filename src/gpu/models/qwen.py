@@ -1,0 +1,35 @@
+"""Qwen2 and Qwen3: the Llama decoder with qkv bias (Qwen2) or per-head q/k RMSNorm (Qwen3).
+
+Registered in `ringserve.gpu.models.registry`; everything else (weights layout, rope, GQA, tied
+embeddings) is shared with `ringserve.gpu.models.llama`.
+"""
+
+from __future__ import annotations
+
+from ringserve.config import ModelConfig
+from ringserve.gpu.attention.backend import AttentionBackend
+from ringserve.gpu.models.llama import LlamaForCausalLM
+from ringserve.gpu.models.spec import DecoderSpec
+from ringserve.gpu.parallel import TPGroup
+
+
+class Qwen2ForCausalLM(LlamaForCausalLM):
+    """Qwen2: q/k/v projections always carry a bias."""
+
+    @classmethod
+    def from_config(
+        cls, config: ModelConfig, tp: TPGroup, backend: AttentionBackend
+    ) -> LlamaForCausalLM:
+        """Build the (unloaded) model for `config`."""
+        return cls(DecoderSpec.from_model_config(config, qkv_bias=True), tp, backend)
+
+
+class Qwen3ForCausalLM(LlamaForCausalLM):
+    """Qwen3: RMSNorm on each query and key head before rope; bias per `attention_bias`."""
+
+    @classmethod
+    def from_config(
+        cls, config: ModelConfig, tp: TPGroup, backend: AttentionBackend
+    ) -> LlamaForCausalLM:
+        """Build the (unloaded) model for `config`."""
+        return cls(DecoderSpec.from_model_config(config, qk_norm=True), tp, backend)

@@ -1,0 +1,35 @@
+"""Architecture name (config.json `architectures`) -> model class.
+
+The loader (`ringserve.gpu.loader`) asks here for the class of a model directory's
+architecture; an unknown one fails with the list of supported architectures.
+"""
+
+from __future__ import annotations
+
+from ringserve.config import SUPPORTED_ARCHITECTURES
+from ringserve.gpu.models.llama import LlamaForCausalLM
+from ringserve.gpu.models.mistral import MistralForCausalLM
+from ringserve.gpu.models.qwen import Qwen2ForCausalLM, Qwen3ForCausalLM
+
+MODEL_CLASSES: dict[str, type[LlamaForCausalLM]] = {
+    "LlamaForCausalLM": LlamaForCausalLM,
+    "MistralForCausalLM": MistralForCausalLM,
+    "Qwen2ForCausalLM": Qwen2ForCausalLM,
+    "Qwen3ForCausalLM": Qwen3ForCausalLM,
+}
+assert set(MODEL_CLASSES) == set(SUPPORTED_ARCHITECTURES)
+
+
+def model_class(architecture: str) -> type[LlamaForCausalLM]:
+    """The class implementing `architecture`.
+
+    Raises:
+        ValueError: the architecture is not supported (the message lists those that are).
+    """
+    try:
+        return MODEL_CLASSES[architecture]
+    except KeyError:
+        raise ValueError(
+            f"architecture {architecture!r} is not supported; supported: "
+            f"{', '.join(sorted(MODEL_CLASSES))}"
+        ) from None

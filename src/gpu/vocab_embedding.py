@@ -1,0 +1,68 @@
+"""Vocabulary-parallel token embedding and LM head.
+
+Each TP rank holds a contiguous slice of the vocabulary rows (the vocabulary is padded up to a
+multiple of the world size). The embedding looks up the ids in its slice, zeroes the others and
+all-reduces; the LM head computes logits for its slice and all-gathers them. Used by the model
+code; the loader calls `load` with the full checkpoint matrix. At world size 1 both are a plain
+`F.embedding` / `F.linear`.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ringserve.gpu.parallel import TPGroup
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Embedding table split over the ranks by vocabulary rows.
+
+    Args:
+        num_embeddings: the vocabulary size.
+        embedding_dim: the hidden size.
+        tp: the tensor-parallel group.
+        dtype: parameter dtype.
+    """
+
+    def __init__(
+        self, num_embeddings: int, embedding_dim: int, *, tp: TPGroup, dtype: torch.dtype
+    ) -> None:
+        super().__init__()
+        self.tp = tp
+        self.num_embeddings = num_embeddings
+        padded = -(-num_embeddings // tp.world_size) * tp.world_size
+        self.rows_per_rank = padded // tp.world_size
+        self.vocab_start = tp.rank * self.rows_per_rank
+        self.vocab_end = min(self.vocab_start + self.rows_per_rank, num_embeddings)
+        self.weight = nn.Parameter(
+            torch.zeros(self.rows_per_rank, embedding_dim, dtype=dtype), requires_grad=False
+        )
+
+    def load(self, name: str, loaded: torch.Tensor, shard_id: int = 0) -> None:
+        """Copy this rank's vocabulary rows from the full checkpoint matrix."""
+        del name, shard_id
+        rows = self.vocab_end - self.vocab_start
+        self.weight.data[:rows].copy_(loaded.narrow(0, self.vocab_start, rows))
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Embeddings of `input_ids` [T] -> [T, hidden]."""
+        if self.tp.world_size == 1:
+            return F.embedding(input_ids, self.weight)
+        inside = (input_ids >= self.vocab_start) & (input_ids < self.vocab_end)
+        local = torch.where(inside, input_ids - self.vocab_start, 0)
+        out = F.embedding(local, self.weight) * inside.unsqueeze(-1).to(self.weight.dtype)
+        return self.tp.all_reduce(out)
+
+
+class ParallelLMHead(VocabParallelEmbedding):
+    """The output projection to vocabulary logits, split like the embedding.
+
+    With tied embeddings the model shares the embedding's weight with this head.
+    """
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Logits [N, vocab] (gathered from every rank) for hidden states [N, hidden]."""
+        logits = self.tp.all_gather_last_dim(F.linear(hidden, self.weight))
+        return logits[..., : self.num_embeddings]

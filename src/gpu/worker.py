@@ -1,0 +1,157 @@
+"""The worker: one device (or the CPU), one TP rank; the engine core's executor drives it.
+
+Lifecycle, called in this order by the executor:
+`Worker(config, rank=...)` -> `init_device()` -> `load_model()` -> `determine_num_blocks()`
+(every rank; the executor takes the minimum and tells the scheduler) ->
+`initialize_kv_cache(num_blocks)` -> `execute_model(scheduler_output)` per step.
+
+KV cache sizing: `num_gpu_blocks_override` wins; otherwise `kv_cache_memory` bytes when given;
+otherwise on CUDA a maximum-size dummy forward is profiled and the cache gets
+`gpu_memory_utilization` of total memory minus the measured peak; on CPU without a size the
+cache gets `DEFAULT_CPU_KV_CACHE_BYTES`.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from ringserve.config import EngineConfig
+from ringserve.gpu.attention.backend import BackendName
+from ringserve.gpu.input_prep import prepare_inputs
+from ringserve.gpu.model_runner import ModelRunner
+from ringserve.gpu.parallel import TPGroup, init_tp_group
+from ringserve.gpu.wire import ModelRunnerOutput, NewRequestData, SchedulerOutput
+from ringserve.sampling_params import SamplingParams
+
+DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30
+
+
+class Worker:
+    """Owns one device, its model runner and its KV cache.
+
+    Args:
+        config: the engine configuration.
+        rank: this worker's TP rank.
+        local_rank: the CUDA device index on this host.
+        distributed_init_method: torch.distributed init URL (needed when TP > 1).
+        attention_backend: "auto", "torch" or "triton".
+    """
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        *,
+        rank: int = 0,
+        local_rank: int = 0,
+        distributed_init_method: str = "tcp://127.0.0.1:29511",
+        attention_backend: BackendName = "auto",
+    ) -> None:
+        self.config = config
+        self.rank = rank
+        self.local_rank = local_rank
+        self.distributed_init_method = distributed_init_method
+        self.attention_backend: BackendName = attention_backend
+        self.device = torch.device("cpu")
+        self.tp = TPGroup()
+        self._runner: ModelRunner | None = None
+
+    @property
+    def runner(self) -> ModelRunner:
+        """The model runner (after `load_model`).
+
+        Raises:
+            RuntimeError: `load_model` has not run.
+        """
+        if self._runner is None:
+            raise RuntimeError("Worker.load_model() must run first")
+        return self._runner
+
+    def init_device(self) -> None:
+        """Select the device and join the TP group (gloo on CPU, nccl on CUDA)."""
+        if self.config.device_config.device == "cuda":
+            self.device = torch.device("cuda", self.local_rank)
+            torch.cuda.set_device(self.device)
+        backend = "nccl" if self.device.type == "cuda" else "gloo"
+        self.tp = init_tp_group(
+            self.rank, self.config.parallel_config.tensor_parallel_size,
+            backend=backend, init_method=self.distributed_init_method,
+        )
+
+    def load_model(self) -> None:
+        """Build the runner and load the weights onto the device."""
+        self._runner = ModelRunner(self.config, self.device, self.tp, self.attention_backend)
+        self._runner.load_model()
+
+    def determine_num_blocks(self) -> int:
+        """The number of KV blocks this rank can hold (see the module docstring).
+
+        Raises:
+            ValueError: the memory left for the KV cache holds no block.
+        """
+        cache = self.config.cache_config
+        if cache.num_gpu_blocks_override is not None:
+            return cache.num_gpu_blocks_override
+        spec = self.runner.kv_spec
+        if cache.kv_cache_memory is not None:
+            budget = cache.kv_cache_memory
+        elif self.device.type == "cuda":
+            budget = self._profile_free_bytes()
+        else:
+            budget = DEFAULT_CPU_KV_CACHE_BYTES
+        blocks = spec.num_blocks_for_bytes(budget)
+        if blocks < 1:
+            raise ValueError(
+                f"the KV cache gets {budget} bytes but one block needs {spec.bytes_per_block}; "
+                "raise kv_cache_memory / gpu_memory_utilization or lower max_num_batched_tokens"
+            )
+        return blocks
+
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        """Allocate the KV cache (the same `num_blocks` on every rank)."""
+        self.runner.initialize_kv_cache(num_blocks)
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        """Run one step; per-request failures are in `request_errors` afterwards."""
+        return self.runner.execute_model(scheduler_output)
+
+    @property
+    def request_errors(self) -> dict[str, str]:
+        """Request id -> message for requests that failed in the last step."""
+        return self.runner.request_errors
+
+    @torch.inference_mode()
+    def _profile_free_bytes(self) -> int:
+        runner = self.runner
+        sched = self.config.scheduler_config
+        num_tokens = sched.max_num_batched_tokens
+        max_len = self.config.model_config.max_model_len
+        num_seqs = min(sched.max_num_seqs, num_tokens)
+        lens = np.full(num_seqs, num_tokens // num_seqs, dtype=np.int64)
+        lens[: num_tokens % num_seqs] += 1
+        lens = np.minimum(lens, max_len)
+        bs = runner.kv_spec.block_size
+        blocks_needed = int((-(-lens // bs)).sum())
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(self.device)
+        runner.initialize_kv_cache(blocks_needed)
+        next_block = 0
+        for i, n in enumerate(lens.tolist()):
+            nb = -(-n // bs)
+            runner.table.apply_new(NewRequestData(
+                f"__profile{i}", [0] * n, SamplingParams(temperature=0.0),
+                list(range(next_block, next_block + nb)), 0,
+            ))
+            next_block += nb
+        ids = [f"__profile{i}" for i in range(len(lens))]
+        inputs = prepare_inputs(runner.table, ids, lens.astype(np.int32), self.device)
+        hidden = runner.model.forward(inputs.input_ids, inputs.positions, runner.kv_caches, inputs.meta)
+        runner.model.compute_logits(hidden[inputs.logits_indices]).float().softmax(-1)
+        torch.cuda.synchronize(self.device)
+        for req_id in ids:
+            runner.table.finish(req_id)
+        kv_bytes = sum(t.numel() * t.element_size() for t in runner.kv_caches)
+        runner.kv_caches = []
+        peak = torch.cuda.max_memory_allocated(self.device) - kv_bytes
+        total = torch.cuda.mem_get_info(self.device)[1]
+        return int(total * self.config.cache_config.gpu_memory_utilization) - peak
