@@ -1,0 +1,50 @@
+"""The in-process executor: one worker inside the engine-core process.
+
+Steps run on one dedicated thread, in submission order, so the core's busy loop can schedule
+step N+1 while step N computes (torch releases the GIL inside its kernels). Utility calls
+(`collective_rpc`) go through the same thread, so they never race a step.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+from ringserve.config import EngineConfig
+from ringserve.gpu.executor.base import Executor
+from ringserve.gpu.wire import ModelRunnerOutput, SchedulerOutput
+
+
+class UniProcExecutor(Executor):
+    """Runs a single `Worker` (rank 0, no torch.distributed) in this process."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        super().__init__(config)
+        from ringserve.gpu.worker import Worker
+
+        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ringserve-step")
+        self.worker = Worker(config, rank=0, local_rank=0)
+        self._call("init_device")
+        self._call("load_model")
+
+    def _call(self, method: str, *args: Any) -> Any:
+        return self._thread.submit(getattr(self.worker, method), *args).result()
+
+    def determine_num_blocks(self) -> int:
+        return int(self._call("determine_num_blocks"))
+
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        self._call("initialize_kv_cache", num_blocks)
+        self.num_blocks = num_blocks
+
+    def _submit_step(self, scheduler_output: SchedulerOutput) -> Future[ModelRunnerOutput]:
+        return self._thread.submit(self.worker.execute_model, scheduler_output)
+
+    def collective_rpc(self, method: str, args: tuple[Any, ...] = ()) -> list[Any]:
+        return [self._call(method, *args)]
+
+    def check_health(self) -> None:
+        return None
+
+    def shutdown(self) -> None:
+        self._thread.shutdown(wait=True, cancel_futures=True)

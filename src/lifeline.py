@@ -1,0 +1,106 @@
+"""A child process's tie to its parent: it never outlives it, and it names itself.
+
+Every process ringserve starts (engine cores, workers) calls `install_lifeline` first thing:
+
+* `PR_SET_PDEATHSIG` asks the kernel to send SIGKILL when the parent thread dies (Linux only;
+  it fires on the death of the *thread* that forked, hence the lifeline as well);
+* the lifeline is the read end of a pipe whose write end only the parent holds: a daemon
+  thread blocks on it, and EOF, which arrives however the parent died (SIGKILL included),
+  ends the child within milliseconds with `os._exit`;
+* `setproctitle` renames the process (`ringserve::EngineCore_DP0`, `ringserve::Worker_TP1`) so
+  operators and tests find it with `ps`.
+
+The parent side is `Lifeline.create()`: pass `child_fd` to the child (`pass_fds`), keep the
+write end, and close it (or die) to end the child.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import sys
+import threading
+from dataclasses import dataclass
+
+_PR_SET_PDEATHSIG = 1
+
+
+@dataclass
+class Lifeline:
+    """The parent's half of a lifeline pipe.
+
+    Attributes:
+        child_fd: the read end, to be inherited by the child (then closed here).
+        parent_fd: the write end, held by the parent only; closing it ends the child.
+    """
+
+    child_fd: int
+    parent_fd: int
+
+    @classmethod
+    def create(cls) -> Lifeline:
+        """A new pipe; the write end is not inheritable, the read end is."""
+        read_fd, write_fd = os.pipe()
+        os.set_inheritable(read_fd, True)
+        return cls(child_fd=read_fd, parent_fd=write_fd)
+
+    def child_started(self) -> None:
+        """Close the parent's copy of the child's end once the child holds it."""
+        if self.child_fd >= 0:
+            os.close(self.child_fd)
+            self.child_fd = -1
+
+    def cut(self) -> None:
+        """Close the write end: the child sees EOF and exits."""
+        if self.parent_fd >= 0:
+            os.close(self.parent_fd)
+            self.parent_fd = -1
+
+
+def set_process_title(title: str) -> None:
+    """Name this process for `ps` / `top` (argv-based title and the kernel comm name)."""
+    import setproctitle
+
+    setproctitle.setproctitle(title)
+    setproctitle.setthreadtitle(title[:15])
+
+
+def set_parent_death_signal(sig: int = signal.SIGKILL) -> None:
+    """Ask Linux to send `sig` to this process when its parent dies (no-op elsewhere)."""
+    if not sys.platform.startswith("linux"):
+        return
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(_PR_SET_PDEATHSIG, int(sig), 0, 0, 0) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"prctl(PR_SET_PDEATHSIG) failed: {os.strerror(err)}")
+
+
+def install_lifeline(lifeline_fd: int | None, expected_parent: int, title: str | None = None) -> None:
+    """Tie this (child) process to its parent; exits at once if the parent is already gone.
+
+    Args:
+        lifeline_fd: the inherited read end of the parent's lifeline pipe (None: signal only).
+        expected_parent: the parent's pid, to catch a parent that died before the prctl.
+        title: the process title to set, if any.
+    """
+    if title is not None:
+        set_process_title(title)
+    set_parent_death_signal()
+    if os.getppid() != expected_parent:
+        os._exit(1)
+    if lifeline_fd is None:
+        return
+    thread = threading.Thread(target=_watch, args=(lifeline_fd,), name="ringserve-lifeline",
+                              daemon=True)
+    thread.start()
+
+
+def _watch(fd: int) -> None:
+    try:
+        while os.read(fd, 4096):
+            pass
+    except OSError:
+        pass
+    # EOF: the parent is gone. No cleanup can be trusted to finish; leave now.
+    os._exit(1)
