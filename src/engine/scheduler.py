@@ -1,0 +1,509 @@
+"""The engine core's scheduler: which requests run each step, and what their outputs mean.
+
+Called by the engine core's busy loop: `add_request` / `finish_requests` between steps,
+`schedule()` to build the step's `SchedulerOutput` for the workers, and
+`update_from_output()` with the workers' `ModelRunnerOutput` to append sampled tokens, check
+stop conditions and build the `EngineCoreOutputs` for the frontend clients. A thin policy over
+small managers: the waiting queue (`request_queue.py`), the KV cache manager
+(`kv_cache_manager.py`, over `block_pool.py`), admission limits (`admission.py`) and the
+output-side token handling (`scheduler_update.py`).
+
+Each step has one token budget (`max_num_batched_tokens`). Running requests are served first
+(decodes and unfinished chunked prefills, in admission order), then waiting ones, while
+`max_num_seqs` allows; prompts are chunked to the budget (and to
+`long_prefill_token_threshold`). When the KV cache runs out, running requests are preempted by
+recompute (FCFS: the newest; priority: the lowest priority, latest arrival) and go back to the
+front of the waiting queue, and no new request is admitted that step.
+
+Async scheduling: `num_computed_tokens` advances when a step is *scheduled*, and each step that
+will sample a token adds an output placeholder, so step N+1 can be scheduled before step N's
+tokens arrive. Outputs that arrive for a request that was finished, aborted or preempted since
+their step was scheduled are discarded.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable
+
+from ringserve.config import CacheConfig, SchedulerConfig
+from ringserve.engine.admission import RequestLimits
+from ringserve.engine.kv_cache_manager import KVCacheManager
+from ringserve.engine.request import Request, RequestStatus
+from ringserve.engine.request_queue import create_request_queue
+from ringserve.engine.scheduler_update import OutputMixin
+from ringserve.engine.wire import (
+    EngineCoreEventType,
+    EngineCoreOutput,
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    FinishReason,
+    SchedulerStats,
+)
+from ringserve.gpu.wire import CachedRequestData, NewRequestData, SchedulerOutput
+
+__all__ = ["Scheduler"]
+
+_RUNNING = RequestStatus.RUNNING
+_PREEMPTED = RequestStatus.PREEMPTED
+
+
+class _Step:
+    """What one `schedule()` call has decided so far."""
+
+    __slots__ = ("budget", "new", "num_scheduled", "preempted", "resumed", "running", "step_id")
+
+    def __init__(self, step_id: int, budget: int) -> None:
+        self.step_id = step_id
+        self.budget = budget
+        self.running: list[tuple[Request, int, list[int]]] = []
+        self.new: list[Request] = []
+        self.resumed: list[Request] = []
+        self.num_scheduled: dict[str, int] = {}
+        self.preempted: list[str] = []
+
+    def unschedule(self, request: Request) -> None:
+        """Take back a running request scheduled earlier in this step (it was preempted)."""
+        n = self.num_scheduled.pop(request.request_id, None)
+        if n is not None:
+            self.budget += n
+            self.running = [entry for entry in self.running if entry[0] is not request]
+
+
+class Scheduler(OutputMixin):
+    """Continuous batching with chunked prefill, preemption and prefix caching.
+
+    Args:
+        scheduler_config: budgets, limits, policy.
+        cache_config: block size and prefix caching.
+        num_blocks: KV blocks the workers allocated (the null block included), measured at
+            start-up and passed separately from the config.
+        eos_token_ids: ids that end generation unless a request sets ignore_eos (from
+            `ModelConfig.eos_token_ids`).
+        log_stats: record life-cycle events and attach `SchedulerStats` to outputs.
+        engine_index: this core's data-parallel rank, stamped on its outputs.
+
+    Raises:
+        ValueError: a budget or limit below 1, or too few blocks.
+    """
+
+    def __init__(
+        self,
+        scheduler_config: SchedulerConfig,
+        cache_config: CacheConfig,
+        num_blocks: int,
+        *,
+        eos_token_ids: Iterable[int] = (),
+        log_stats: bool = True,
+        engine_index: int = 0,
+    ) -> None:
+        cfg = scheduler_config
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
+            if getattr(cfg, name) < 1:
+                raise ValueError(f"{name}: got {getattr(cfg, name)}, allowed: >= 1")
+        self.scheduler_config = cfg
+        self.cache_config = cache_config
+        self.max_num_seqs = cfg.max_num_seqs
+        self.max_num_batched_tokens = cfg.max_num_batched_tokens
+        self.max_model_len = cfg.max_model_len
+        self.enable_chunked_prefill = cfg.enable_chunked_prefill
+        threshold = cfg.long_prefill_token_threshold
+        self.long_prefill_token_threshold = threshold if threshold > 0 else cfg.max_num_batched_tokens
+        self.policy = cfg.policy
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.log_stats = log_stats
+        self.engine_index = engine_index
+        self.block_size = cache_config.block_size
+        self.kv_cache_manager = KVCacheManager(
+            num_blocks, cache_config.block_size, cache_config.enable_prefix_caching
+        )
+        self.limits = RequestLimits(
+            max_model_len=cfg.max_model_len,
+            block_size=cache_config.block_size,
+            num_usable_blocks=num_blocks - 1,
+            max_num_batched_tokens=cfg.max_num_batched_tokens,
+            enable_chunked_prefill=cfg.enable_chunked_prefill,
+        )
+        self.waiting = create_request_queue(cfg.policy)
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self._step_id = 0
+        self._num_preemptions = 0
+        # Finished since the last schedule(): workers drop their state.
+        self._finished_req_ids: list[str] = []
+        # Outputs produced between steps (admission errors, notified aborts), per client.
+        self._pending_outputs: list[tuple[int, EngineCoreOutput]] = []
+        # Finished since the last update_from_output(), per client.
+        self._finished_by_client: dict[int, list[str]] = {}
+
+    # -- intake --------------------------------------------------------------------------------
+
+    def check_request(self, request: EngineCoreRequest) -> None:
+        """The admission check the frontend runs before sending (same as `add_request`'s).
+
+        Raises:
+            ValueError: the request can never be served; the message says why.
+        """
+        self.limits.check(len(request.prompt_token_ids))
+
+    def add_request(self, request: EngineCoreRequest) -> None:
+        """Queue a request; one that can never be served finishes with an ERROR output.
+
+        The ERROR output (its `stop_reason` holds the message) comes with the next
+        `update_from_output()` or `take_pending_outputs()`.
+
+        Raises:
+            ValueError: a request with this id is already in flight (a frontend bug).
+        """
+        request_id = request.request_id
+        if request_id in self.requests:
+            raise ValueError(f"request {request_id!r} is already in flight in this engine core")
+        req = Request.from_engine_core_request(
+            request, max_model_len=self.max_model_len, eos_token_ids=self.eos_token_ids
+        )
+        problem = self.limits.problem(req.num_prompt_tokens)
+        if problem is not None:
+            req.status = RequestStatus.FINISHED_ERROR
+            req.error = problem
+            self._queue_output(req, FinishReason.ERROR)
+            return
+        self.kv_cache_manager.hash_request(req)
+        self.requests[request_id] = req
+        self.waiting.add(req)
+        if self.log_stats:
+            req.record_event(EngineCoreEventType.QUEUED, time.monotonic())
+
+    # -- scheduling ----------------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        """Decide the next step: which requests compute how many tokens, in which blocks.
+
+        Returns:
+            The step for the workers; requests they have not seen carry their full data,
+            the others only what changed.
+        """
+        self._step_id += 1
+        step = _Step(self._step_id, self.max_num_batched_tokens)
+        self._schedule_running(step)
+        if not step.preempted:
+            self._schedule_waiting(step)
+        return self._build_output(step)
+
+    def _schedule_running(self, step: _Step) -> None:
+        running = self.running
+        allocate = self.kv_cache_manager.allocate_slots
+        threshold = self.long_prefill_token_threshold
+        i = 0
+        while i < len(running) and step.budget > 0:
+            req = running[i]
+            placeholders = req.num_output_placeholders
+            num_tokens = len(req.all_token_ids)
+            # Async scheduling: the pending outputs already reach max_tokens.
+            if placeholders and num_tokens - req.num_prompt_tokens + placeholders >= req.max_tokens:
+                i += 1
+                continue
+            n = num_tokens + placeholders - req.num_computed_tokens
+            if n > threshold:
+                n = threshold
+            if n > step.budget:
+                n = step.budget
+            if n <= 0:
+                i += 1
+                continue
+            new_blocks = allocate(req, n)
+            while new_blocks is None:
+                removed = self._make_room(req, i, step)
+                if removed < 0 or removed == i:
+                    break  # req waits for its pending outputs, or left the running list
+                if removed < i:
+                    i -= 1
+                new_blocks = allocate(req, n)
+            if new_blocks is None:
+                if i < len(running) and running[i] is req:
+                    i += 1
+                continue
+            step.running.append((req, n, new_blocks))
+            step.num_scheduled[req.request_id] = n
+            step.budget -= n
+            i += 1
+
+    def _make_room(self, req: Request, index: int, step: _Step) -> int:
+        """Preempt one victim so `req` (at `index`) can grow.
+
+        Returns:
+            The running-list index of the request that left (the victim, or `req` itself
+            when it is the victim or can never fit), or -1 when `req` should just wait.
+        """
+        running = self.running
+        if len(running) == 1:
+            if req.num_output_placeholders:
+                # Async: its pending outputs may end it; decide once they have arrived.
+                return -1
+            # Alone and still no room: it needs more blocks than the whole cache.
+            del running[index]
+            self._fail(req, "needs more KV blocks than the whole cache holds "
+                       f"({self.limits.num_usable_blocks} blocks of {self.block_size} tokens)")
+            return index
+        if self.policy == "priority":
+            victim = max(running, key=lambda r: (r.priority, r.arrival_time, r.seq))
+            victim_index = running.index(victim)
+        else:
+            victim_index = len(running) - 1
+            victim = running[victim_index]
+        del running[victim_index]
+        self._preempt(victim, step)
+        return victim_index
+
+    def _preempt(self, req: Request, step: _Step) -> None:
+        step.unschedule(req)
+        self.kv_cache_manager.free(req)
+        req.status = _PREEMPTED
+        req.num_computed_tokens = 0
+        req.num_output_placeholders = 0
+        req.num_preemptions += 1
+        self._num_preemptions += 1
+        if self.log_stats:
+            req.record_event(EngineCoreEventType.PREEMPTED, time.monotonic())
+        self.waiting.prepend(req)
+        step.preempted.append(req.request_id)
+
+    def _schedule_waiting(self, step: _Step) -> None:
+        waiting = self.waiting
+        running = self.running
+        kv = self.kv_cache_manager
+        threshold = self.long_prefill_token_threshold
+        now = time.monotonic() if self.log_stats else 0.0
+        while waiting and step.budget > 0 and len(running) < self.max_num_seqs:
+            req = waiting.peek()
+            hit_blocks, num_hit_tokens = kv.get_computed_blocks(req)
+            n = len(req.all_token_ids) - num_hit_tokens
+            if n > threshold:
+                n = threshold
+            if n > step.budget:
+                if not self.enable_chunked_prefill and n <= self.max_num_batched_tokens:
+                    break  # waits for a step with the whole budget free
+                n = step.budget
+            if kv.allocate_slots(req, n, new_computed_blocks=hit_blocks) is None:
+                if running:
+                    break
+                waiting.pop()  # nothing else holds blocks: it can never fit
+                self._fail(req, "needs more KV blocks than the whole cache holds "
+                           f"({self.limits.num_usable_blocks} blocks of {self.block_size} tokens)")
+                continue
+            waiting.pop()
+            kv.record_prefix_lookup(req, num_hit_tokens)
+            if req.status is _PREEMPTED:
+                step.resumed.append(req)
+            else:
+                step.new.append(req)
+            if req.num_cached_tokens < 0:
+                req.num_cached_tokens = num_hit_tokens
+            req.num_computed_tokens = num_hit_tokens
+            req.status = _RUNNING
+            req.scheduled_since_step = step.step_id
+            req.was_scheduled = True
+            if self.log_stats:
+                req.record_event(EngineCoreEventType.SCHEDULED, now)
+            running.append(req)
+            step.num_scheduled[req.request_id] = n
+            step.budget -= n
+
+    def _build_output(self, step: _Step) -> SchedulerOutput:
+        num_scheduled = step.num_scheduled
+        cached: list[CachedRequestData] = []
+        append = cached.append
+        for req, n, new_blocks in step.running:
+            computed = req.num_computed_tokens
+            if new_blocks:
+                append(CachedRequestData(req.request_id, computed, new_blocks))
+            else:
+                append(CachedRequestData(req.request_id, computed))
+            # `_advance` inlined (the hot loop).
+            computed += n
+            req.num_computed_tokens = computed
+            if computed >= len(req.all_token_ids) + req.num_output_placeholders:
+                req.num_output_placeholders += 1
+        get_blocks = self.kv_cache_manager.get_block_ids
+        for req in step.resumed:
+            append(
+                CachedRequestData(
+                    req.request_id,
+                    req.num_computed_tokens,
+                    list(get_blocks(req.request_id)),
+                    resumed_from_preemption=True,
+                    all_token_ids=list(req.all_token_ids),
+                )
+            )
+            _advance(req, num_scheduled[req.request_id])
+        new_reqs = []
+        for req in step.new:
+            new_reqs.append(
+                NewRequestData(
+                    req.request_id,
+                    req.prompt_token_ids,
+                    req.sampling_params,
+                    list(get_blocks(req.request_id)),
+                    req.num_computed_tokens,
+                )
+            )
+            _advance(req, num_scheduled[req.request_id])
+        finished = self._finished_req_ids
+        self._finished_req_ids = []
+        return SchedulerOutput(
+            step_id=step.step_id,
+            scheduled_new_reqs=new_reqs,
+            scheduled_cached_reqs=cached,
+            num_scheduled_tokens=num_scheduled,
+            total_num_scheduled_tokens=self.max_num_batched_tokens - step.budget,
+            finished_req_ids=finished,
+            preempted_req_ids=step.preempted,
+        )
+
+    # -- finishing -----------------------------------------------------------------------------
+
+    def finish_requests(
+        self,
+        request_ids: str | Iterable[str],
+        reason: FinishReason = FinishReason.ABORT,
+        *,
+        notify: bool = False,
+    ) -> None:
+        """End requests now (aborts), freeing their blocks at once; unknown ids are ignored.
+
+        Args:
+            request_ids: one id or several.
+            reason: the finish reason (ABORT for client aborts, ERROR for engine faults).
+            notify: also send each one a final output (with the next `update_from_output()`
+                or `take_pending_outputs()`); the frontend does not need one for aborts it
+                asked for itself.
+        """
+        if isinstance(request_ids, str):
+            request_ids = (request_ids,)
+        status = RequestStatus.for_reason(reason)
+        from_waiting: set[Request] = set()
+        from_running = False
+        for request_id in request_ids:
+            req = self.requests.get(request_id)
+            if req is None:
+                continue
+            if req.status is _RUNNING:
+                from_running = True
+            else:
+                from_waiting.add(req)
+            req.status = status
+            self._free_request(req)
+            if notify:
+                self._queue_output(req, reason)
+        if from_waiting:
+            self.waiting.remove_many(from_waiting)
+        if from_running:
+            self.running = [r for r in self.running if r.status is _RUNNING]
+
+    def abort_all(self, reason: FinishReason = FinishReason.ABORT) -> dict[int, EngineCoreOutputs]:
+        """End every request (engine fault), free all blocks, and return their final outputs."""
+        self.finish_requests(list(self.requests), reason, notify=True)
+        return self.take_pending_outputs()
+
+    def _fail(self, req: Request, problem: str) -> None:
+        """End a request that can never be served with an ERROR output (already dequeued)."""
+        req.status = RequestStatus.FINISHED_ERROR
+        req.error = f"request {req.request_id!r} ({req.num_tokens} tokens) {problem}"
+        self._free_request(req)
+        self._queue_output(req, FinishReason.ERROR)
+
+    def _free_request(self, req: Request) -> None:
+        self.kv_cache_manager.free(req)
+        del self.requests[req.request_id]
+        if req.was_scheduled:
+            self._finished_req_ids.append(req.request_id)
+        by_client = self._finished_by_client.get(req.client_index)
+        if by_client is None:
+            self._finished_by_client[req.client_index] = [req.request_id]
+        else:
+            by_client.append(req.request_id)
+
+    def _queue_output(self, req: Request, reason: FinishReason) -> None:
+        output = EngineCoreOutput(
+            req.request_id,
+            [],
+            finish_reason=reason,
+            stop_reason=req.error if reason == FinishReason.ERROR else None,
+            events=req.take_events(),
+            num_cached_tokens=max(req.num_cached_tokens, 0),
+        )
+        self._pending_outputs.append((req.client_index, output))
+
+    # -- queries -------------------------------------------------------------------------------
+
+    def has_unfinished_requests(self) -> bool:
+        """True while any request is waiting or running."""
+        return bool(self.requests)
+
+    def has_finished_requests(self) -> bool:
+        """True when workers must still be told about finished requests."""
+        return bool(self._finished_req_ids)
+
+    def has_requests(self) -> bool:
+        """True when the engine core should step: unfinished work or undelivered results."""
+        return bool(self.requests or self._finished_req_ids or self._pending_outputs)
+
+    def get_num_unfinished_requests(self) -> int:
+        """Waiting plus running requests."""
+        return len(self.requests)
+
+    def get_request_counts(self) -> tuple[int, int]:
+        """(running, waiting)."""
+        return len(self.running), len(self.waiting)
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix (in-use blocks stay with their requests)."""
+        return self.kv_cache_manager.reset_prefix_cache()
+
+    def make_stats(self) -> SchedulerStats:
+        """A snapshot of the scheduler; prefix-cache and preemption counts are deltas since
+        the previous call (the frontend's counters add them up)."""
+        _, queries, hits = self.kv_cache_manager.take_stats()
+        preemptions = self._num_preemptions
+        self._num_preemptions = 0
+        return SchedulerStats(
+            num_running_reqs=len(self.running),
+            num_waiting_reqs=len(self.waiting),
+            kv_cache_usage=self.kv_cache_manager.usage,
+            prefix_cache_queries=queries,
+            prefix_cache_hits=hits,
+            num_preemptions=preemptions,
+            step_counter=self._step_id,
+        )
+
+    def check_invariants(self) -> None:
+        """Raise AssertionError if the scheduler's books disagree (tests, debugging)."""
+        kv = self.kv_cache_manager
+        kv.check_invariants()
+        waiting = list(self.waiting)
+        if len(self.running) > self.max_num_seqs:
+            raise AssertionError(f"{len(self.running)} running > max_num_seqs")
+        ids = [r.request_id for r in self.running] + [r.request_id for r in waiting]
+        if sorted(ids) != sorted(self.requests) or len(set(ids)) != len(ids):
+            raise AssertionError("requests dict disagrees with running + waiting")
+        for req in self.running:
+            if req.status is not _RUNNING:
+                raise AssertionError(f"{req!r} in running list")
+            limit = req.num_tokens + req.num_output_placeholders
+            if not 0 < req.num_computed_tokens <= limit:
+                raise AssertionError(f"{req!r}: computed tokens out of range")
+            slots = len(kv.get_block_ids(req.request_id)) * self.block_size
+            if slots < req.num_computed_tokens:
+                raise AssertionError(f"{req!r}: {slots} slots for its computed tokens")
+        for req in waiting:
+            if req.status not in (RequestStatus.WAITING, _PREEMPTED):
+                raise AssertionError(f"{req!r} in waiting queue")
+            if kv.has_blocks(req.request_id) or req.num_computed_tokens:
+                raise AssertionError(f"{req!r}: waiting but holds blocks")
+
+
+def _advance(req: Request, n: int) -> None:
+    """Book `n` scheduled tokens as computed; a step that reaches the end samples a token."""
+    computed = req.num_computed_tokens + n
+    req.num_computed_tokens = computed
+    if computed >= len(req.all_token_ids) + req.num_output_placeholders:
+        req.num_output_placeholders += 1

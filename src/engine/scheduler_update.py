@@ -1,0 +1,231 @@
+"""The output side of the scheduler: sampled tokens in, stop checks, outputs to clients.
+
+Part of `Scheduler` (`scheduler.py`, which mixes `OutputMixin` in); split out because it is the
+other half of a step. The engine core calls `update_from_output()` with each step's
+`SchedulerOutput` and the workers' `ModelRunnerOutput`, in step order, and sends the returned
+`EngineCoreOutputs` to each frontend client.
+
+Stop checks run here, in the engine, on token ids: EOS (unless ignore_eos), stop_token_ids
+(the id becomes the stop_reason), max_tokens and max_model_len (LENGTH; `Request.max_tokens`
+is already capped by max_model_len), none while fewer than min_tokens were generated. When one
+token is both a stop token and the max_tokens-th token, STOP wins. Stop strings are the
+frontend's job.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable
+
+from ringserve.engine.kv_cache_manager import KVCacheManager
+from ringserve.engine.request import Request, RequestStatus
+from ringserve.engine.wire import (
+    EngineCoreOutput,
+    EngineCoreOutputs,
+    FinishReason,
+    Logprobs,
+    SchedulerStats,
+)
+from ringserve.gpu.wire import ModelRunnerOutput, SchedulerOutput
+
+__all__ = ["OutputMixin"]
+
+_RUNNING = RequestStatus.RUNNING
+_STOPPED = RequestStatus.FINISHED_STOPPED
+_LENGTH = RequestStatus.FINISHED_LENGTH_CAPPED
+
+
+class OutputMixin:
+    """`update_from_output` and its helpers; the state lives in `Scheduler`."""
+
+    kv_cache_manager: KVCacheManager
+    requests: dict[str, Request]
+    running: list[Request]
+    block_size: int
+    log_stats: bool
+    engine_index: int
+    _pending_outputs: list[tuple[int, EngineCoreOutput]]
+    _finished_by_client: dict[int, list[str]]
+
+    def _free_request(self, req: Request) -> None:
+        raise NotImplementedError
+
+    def finish_requests(
+        self, request_ids: str | Iterable[str], reason: FinishReason = FinishReason.ABORT, *,
+        notify: bool = False,
+    ) -> None:
+        """Implemented by `Scheduler`."""
+        raise NotImplementedError
+
+    def make_stats(self) -> SchedulerStats:
+        """Implemented by `Scheduler`."""
+        raise NotImplementedError
+
+    def update_from_output(
+        self, scheduler_output: SchedulerOutput, model_runner_output: ModelRunnerOutput
+    ) -> dict[int, EngineCoreOutputs]:
+        """Apply one step's sampled tokens, check stops, and build outputs per client.
+
+        Args:
+            scheduler_output: the step, as `schedule()` returned it.
+            model_runner_output: what the workers produced for it.
+
+        Returns:
+            client index -> that client's `EngineCoreOutputs` (with `SchedulerStats` on one
+            of them when stats are on). Outputs queued between steps (admission errors,
+            notified aborts) are included.
+        """
+        step_id = scheduler_output.step_id
+        requests = self.requests
+        if model_runner_output.request_errors:
+            self._fail_in_worker(model_runner_output.request_errors)
+        outputs: dict[int, list[EngineCoreOutput]] = {}
+        logprobs = model_runner_output.logprobs
+        prompt_logprobs = model_runner_output.prompt_logprobs
+        append_tokens = self._append_tokens
+        any_finished = False
+        offset = 0
+        last_client = -1
+        client_list: list[EngineCoreOutput] = []
+        for request_id, sampled in zip(
+            model_runner_output.req_ids, model_runner_output.sampled_token_ids, strict=True
+        ):
+            start = offset
+            offset += len(sampled)
+            req = requests.get(request_id)
+            # Stale: finished or aborted meanwhile, or preempted after this step was scheduled.
+            if req is None or req.status is not _RUNNING or step_id < req.scheduled_since_step:
+                continue
+            new_prompt_logprobs = prompt_logprobs.get(request_id) if prompt_logprobs else None
+            if len(sampled) == 1:
+                # The decode fast path: `_append_tokens` inlined for one token.
+                placeholders = req.num_output_placeholders - 1
+                req.num_output_placeholders = placeholders if placeholders > 0 else 0
+                token = sampled[0]
+                tokens = req.all_token_ids
+                tokens.append(token)
+                num_out = len(tokens) - req.num_prompt_tokens
+                if token in req.stop_ids and num_out >= req.min_tokens:
+                    req.status = _STOPPED
+                    if token not in req.eos_ids:
+                        req.stop_reason = token
+                elif num_out >= req.max_tokens:
+                    req.status = _LENGTH
+                new_tokens = sampled
+            elif sampled:
+                placeholders = req.num_output_placeholders - len(sampled)
+                req.num_output_placeholders = placeholders if placeholders > 0 else 0
+                new_tokens = append_tokens(req, sampled)
+            elif new_prompt_logprobs is None:
+                continue  # a prefill chunk: nothing to report yet
+            else:
+                new_tokens = sampled
+            new_logprobs = None
+            if logprobs is not None and req.wants_logprobs and new_tokens:
+                new_logprobs = _slice_logprobs(logprobs, start, start + len(new_tokens))
+            events = req.events
+            if events is not None:
+                req.events = None
+            status = req.status
+            if status is _RUNNING:
+                out = EngineCoreOutput(
+                    request_id,
+                    new_tokens,
+                    new_logprobs,
+                    new_prompt_logprobs,
+                    None,
+                    None,
+                    events,
+                    req.num_cached_tokens,
+                )
+            else:
+                any_finished = True
+                out = EngineCoreOutput(
+                    request_id,
+                    new_tokens,
+                    new_logprobs,
+                    new_prompt_logprobs,
+                    status.finish_reason,
+                    req.stop_reason,
+                    events,
+                    req.num_cached_tokens,
+                )
+                self._free_request(req)
+            client = req.client_index
+            if client != last_client:
+                got = outputs.get(client)
+                if got is None:
+                    got = outputs[client] = []
+                client_list = got
+                last_client = client
+            client_list.append(out)
+        if any_finished:
+            self.running = [r for r in self.running if r.status is _RUNNING]
+        return self._package(outputs)
+
+    def _fail_in_worker(self, errors: dict[str, str]) -> None:
+        """End the requests a worker could not serve (ERROR outputs; their blocks freed)."""
+        for request_id, message in errors.items():
+            req = self.requests.get(request_id)
+            if req is None:
+                continue
+            req.error = f"request {request_id!r} failed in the worker: {message}"
+            self.finish_requests(request_id, FinishReason.ERROR, notify=True)
+
+    def _append_tokens(self, req: Request, sampled: list[int]) -> list[int]:
+        """Append sampled tokens up to the first stop; returns the tokens kept."""
+        tokens = req.all_token_ids
+        stop_ids = req.stop_ids
+        num_prompt = req.num_prompt_tokens
+        for index, token in enumerate(sampled):
+            tokens.append(token)
+            num_out = len(tokens) - num_prompt
+            if token in stop_ids and num_out >= req.min_tokens:
+                req.status = _STOPPED
+                if token not in req.eos_ids:
+                    req.stop_reason = token
+            elif num_out >= req.max_tokens:
+                req.status = _LENGTH
+            else:
+                continue
+            return sampled if index == len(sampled) - 1 else sampled[: index + 1]
+        return sampled
+
+    def take_pending_outputs(self) -> dict[int, EngineCoreOutputs]:
+        """Outputs produced between steps (admission errors, notified aborts), per client."""
+        return self._package({})
+
+    def _package(self, outputs: dict[int, list[EngineCoreOutput]]) -> dict[int, EngineCoreOutputs]:
+        for client, output in self._pending_outputs:
+            got = outputs.get(client)
+            if got is None:
+                outputs[client] = [output]
+            else:
+                got.append(output)
+        self._pending_outputs = []
+        finished_by_client = self._finished_by_client
+        self._finished_by_client = {}
+        for client in finished_by_client:
+            outputs.setdefault(client, [])
+        now = time.monotonic()
+        result = {
+            client: EngineCoreOutputs(
+                engine_index=self.engine_index,
+                outputs=outs,
+                timestamp=now,
+                finished_requests=finished_by_client.get(client),
+            )
+            for client, outs in outputs.items()
+        }
+        if self.log_stats:
+            first = next(iter(result.values()), None)
+            if first is None:
+                first = result[0] = EngineCoreOutputs(engine_index=self.engine_index, timestamp=now)
+            first.scheduler_stats = self.make_stats()
+        return result
+
+
+def _slice_logprobs(logprobs: Logprobs, start: int, stop: int) -> Logprobs:
+    return Logprobs(
+        logprobs.token_ids[start:stop], logprobs.logprobs[start:stop], logprobs.ranks[start:stop]
+    )
