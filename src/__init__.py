@@ -1,19 +1,24 @@
 """ringserve: an LLM inference and serving engine on trio and lock-free shared-memory rings.
 
 Public API (more arrives as the engine is built; see README.md for what exists today):
-`SamplingParams`, `RequestOutputKind`, `RequestOutput`, `CompletionOutput`, `EngineArgs`.
+`LLM`, `LLMEngine`, `SamplingParams`, `RequestOutputKind`, `RequestOutput`, `CompletionOutput`,
+`EngineArgs`.
 Importing `ringserve` imports neither torch nor transformers.
 """
 
 from ringserve.engine.arg_utils import EngineArgs
+from ringserve.engine.llm import LLM
+from ringserve.engine.llm_engine import LLMEngine
 from ringserve.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from ringserve.sampling_params import RequestOutputKind, SamplingParams, SamplingType
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "LLM",
     "CompletionOutput",
     "EngineArgs",
+    "LLMEngine",
     "Logprob",
     "RequestMetrics",
     "RequestOutput",

@@ -1,0 +1,227 @@
+"""EngineCore: one engine's step, in process (the busy loop and sockets live in core_proc.py).
+
+`step()` = schedule -> execute_model(non_block) -> result -> update_from_output, returning the
+EngineCoreOutputs per frontend client. With async scheduling (`max_concurrent_batches` 2),
+`step_with_batch_queue()` schedules and submits step N+1 before waiting for step N, so the CPU
+work of scheduling overlaps the model; the scheduler's placeholders keep the books right.
+Requests and aborts are applied between steps by the caller (the busy loop or a client).
+Utility calls (`call_utility`) reach the methods named in `UTILITY_METHODS`.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from concurrent.futures import Future
+from typing import Any, Literal
+
+import msgspec
+
+from ringserve.config import EngineConfig
+from ringserve.engine.scheduler import Scheduler
+from ringserve.engine.wire import EngineCoreOutputs, EngineCoreRequest, FinishReason, SchedulerStats
+from ringserve.gpu.executor.base import Executor
+from ringserve.gpu.wire import ModelRunnerOutput, SchedulerOutput
+
+logger = logging.getLogger(__name__)
+
+PauseMode = Literal["keep", "abort", "wait"]
+
+UTILITY_METHODS = frozenset({
+    "get_weight_version", "set_weight_version", "pause", "resume", "is_paused",
+    "reset_prefix_cache", "get_stats", "get_num_blocks", "ping",
+})
+
+
+class EngineCore:
+    """Scheduler + executor for one engine (one data-parallel rank).
+
+    Args:
+        config: the engine configuration.
+        executor_class: override the executor (tests use fakes); default by config.
+        engine_index: this core's data-parallel rank.
+
+    Raises:
+        ValueError: the KV cache cannot hold even one block, or the config is unusable.
+    """
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        executor_class: type[Executor] | None = None,
+        engine_index: int = 0,
+    ) -> None:
+        self.config = config
+        self.engine_index = engine_index
+        cls = executor_class or Executor.get_class(config)
+        self.executor = cls(config)
+        try:
+            num_blocks = self.executor.determine_num_blocks()
+            if num_blocks < 2:
+                raise ValueError(
+                    f"KV cache too small: {num_blocks} blocks of {config.cache_config.block_size} "
+                    "tokens (at least 2 needed); raise --kv-cache-memory or "
+                    "--gpu-memory-utilization"
+                )
+            self.executor.initialize_kv_cache(num_blocks)
+        except BaseException:
+            self.executor.shutdown()
+            raise
+        self.num_blocks = num_blocks
+        self.scheduler = Scheduler(
+            config.scheduler_config, config.cache_config, num_blocks,
+            eos_token_ids=config.model_config.eos_token_ids,
+            log_stats=not config.observability_config.disable_log_stats,
+            engine_index=engine_index,
+        )
+        self.batch_queue_size = self.executor.max_concurrent_batches
+        self.batch_queue: deque[tuple[Future[ModelRunnerOutput], SchedulerOutput]] = deque()
+        self.weight_version: str | None = None
+        self.pause_mode: PauseMode | None = None
+        self._held: list[EngineCoreRequest] = []  # requests that arrived while paused
+
+    # -- requests ------------------------------------------------------------------------------
+
+    def add_request(self, request: EngineCoreRequest) -> None:
+        """Queue a request (one that can never run finishes with an ERROR output).
+
+        While paused, new requests are held and queued on `resume()`.
+        """
+        if self.pause_mode is not None:
+            self._held.append(request)
+            return
+        self.scheduler.add_request(request)
+
+    def abort_requests(self, request_ids: list[str]) -> None:
+        """Abort requests (unknown ids are ignored); their blocks are freed now."""
+        if self._held:
+            gone = set(request_ids)
+            self._held = [r for r in self._held if r.request_id not in gone]
+        if request_ids:
+            self.scheduler.finish_requests(request_ids, FinishReason.ABORT)
+
+    def has_work(self) -> bool:
+        """True while there is something to schedule, in flight, or to report."""
+        return (self.scheduler.has_requests() and self.pause_mode not in ("keep", "abort")) or bool(
+            self.batch_queue) or self.scheduler.has_finished_requests()
+
+    # -- steps ---------------------------------------------------------------------------------
+
+    def step(self) -> tuple[dict[int, EngineCoreOutputs], bool]:
+        """One synchronous step; returns (outputs per client, whether the model ran)."""
+        if not self._may_schedule():
+            return self.scheduler.take_pending_outputs(), False
+        scheduler_output = self.scheduler.schedule()
+        if not _worth_sending(scheduler_output):
+            return self.scheduler.take_pending_outputs(), False
+        future = self.executor.execute_model(scheduler_output, non_block=True)
+        model_output = future.result()
+        outputs = self.scheduler.update_from_output(scheduler_output, model_output)
+        return outputs, True
+
+    def step_with_batch_queue(self) -> tuple[dict[int, EngineCoreOutputs] | None, bool]:
+        """Keep up to `batch_queue_size` steps in flight; returns outputs of the oldest.
+
+        Returns (None, True) when a step was submitted and the queue is not full yet, so the
+        caller can take new requests before waiting for the oldest step.
+        """
+        queue = self.batch_queue
+        submitted = False
+        if len(queue) < self.batch_queue_size and self._may_schedule():
+            scheduler_output = self.scheduler.schedule()
+            if _worth_sending(scheduler_output):
+                future = self.executor.execute_model(scheduler_output, non_block=True)
+                queue.appendleft((future, scheduler_output))
+                submitted = True
+                if len(queue) < self.batch_queue_size and not queue[-1][0].done():
+                    return None, True
+        if not queue:
+            return self.scheduler.take_pending_outputs(), submitted
+        future, scheduler_output = queue.pop()
+        model_output = future.result()
+        return self.scheduler.update_from_output(scheduler_output, model_output), True
+
+    def _may_schedule(self) -> bool:
+        return self.scheduler.has_requests() and self.pause_mode not in ("keep", "abort")
+
+    def drain(self) -> dict[int, EngineCoreOutputs]:
+        """Wait for every step in flight and apply it (before pausing or shutting down)."""
+        merged: dict[int, EngineCoreOutputs] = {}
+        while self.batch_queue:
+            future, scheduler_output = self.batch_queue.pop()
+            outputs = self.scheduler.update_from_output(scheduler_output, future.result())
+            for client, outs in outputs.items():
+                if client in merged:
+                    merged[client].outputs.extend(outs.outputs)
+                else:
+                    merged[client] = outs
+        return merged
+
+    # -- utilities -----------------------------------------------------------------------------
+
+    def call_utility(self, method: str, args: list[Any]) -> Any:
+        """Run a utility method by name (see UTILITY_METHODS).
+
+        Raises:
+            ValueError: an unknown method or bad arguments.
+        """
+        if method not in UTILITY_METHODS:
+            raise ValueError(f"unknown utility method {method!r}; known: {sorted(UTILITY_METHODS)}")
+        return getattr(self, method)(*args)
+
+    def ping(self) -> str:
+        """Liveness check through the utility channel."""
+        return "pong"
+
+    def get_weight_version(self) -> str | None:
+        """The opaque weight version set by the operator (None until set)."""
+        return self.weight_version
+
+    def set_weight_version(self, version: str | None) -> None:
+        """Record an opaque weight version (as vLLM's `_weight_version`)."""
+        if version is not None and not isinstance(version, str):
+            raise ValueError(f"weight version: expected a string or None, got {version!r}")
+        self.weight_version = version
+
+    def pause(self, mode: str = "keep") -> None:
+        """Stop scheduling: `keep` holds requests, `abort` aborts them, `wait` drains them."""
+        if mode not in ("keep", "abort", "wait"):
+            raise ValueError(f"pause mode: got {mode!r}, allowed: keep, abort, wait")
+        if mode == "abort":
+            self.abort_requests(list(self.scheduler.requests))
+        self.pause_mode = mode  # type: ignore[assignment]
+
+    def resume(self) -> None:
+        """Undo `pause`; requests that arrived meanwhile are queued now."""
+        self.pause_mode = None
+        held, self._held = self._held, []
+        for request in held:
+            self.scheduler.add_request(request)
+
+    def is_paused(self) -> bool:
+        """True while paused."""
+        return self.pause_mode is not None
+
+    def reset_prefix_cache(self) -> bool:
+        """Drop every cached prefix block not in use; False when some are still in use."""
+        return self.scheduler.reset_prefix_cache()
+
+    def get_stats(self) -> dict[str, Any]:
+        """The scheduler's current statistics (SchedulerStats fields as a dict)."""
+        stats: SchedulerStats = self.scheduler.make_stats()
+        return msgspec.structs.asdict(stats)
+
+    def get_num_blocks(self) -> int:
+        """The number of KV cache blocks."""
+        return self.num_blocks
+
+    def shutdown(self) -> None:
+        """Stop the executor and its workers; idempotent."""
+        self.batch_queue.clear()
+        self.executor.shutdown()
+
+
+def _worth_sending(scheduler_output: SchedulerOutput) -> bool:
+    """A step goes to the workers when it computes tokens or tells them to drop requests."""
+    return bool(scheduler_output.total_num_scheduled_tokens or scheduler_output.finished_req_ids
+                or scheduler_output.preempted_req_ids)

@@ -1,0 +1,257 @@
+"""EngineCoreProc: an engine core in its own process, with socket threads and a busy loop.
+
+Started by a multiprocess client (`mp_client.py`) as `python -m ringserve.engine.core_proc`;
+the EngineConfig arrives as msgpack on stdin. The process names itself
+`ringserve::EngineCore_DP<i>`, holds a lifeline to its parent, and talks over zmq:
+
+* input: a DEALER socket (routing id `core<i>`) connected to the frontend's ROUTER; a thread
+  decodes each `CoreInput` (add / abort / utility) into the input queue;
+* output: a PUSH socket connected to the frontend's PULL; a thread encodes whatever the busy
+  loop puts in the output queue (msgpack body + out-of-band array frames, zero-copy).
+
+The first output message is the start-up handshake (`HandshakeReply`): ready with the number of
+KV blocks and max_model_len, or failed with the reason. Then `run_busy_loop` alternates draining
+the input queue (blocking only when there is no work) and stepping the core, handing outputs to
+the output thread without waiting. An exception in a step is an engine fault: every in-flight
+request ends with finish reason error, a dead notice (utility call id -1) is sent, and the
+process exits with status 1. SIGTERM / SIGINT end the loop and exit 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import queue
+import signal
+import sys
+import threading
+import traceback
+from typing import Any
+
+import msgspec
+import zmq
+
+from ringserve.config import EngineConfig
+from ringserve.engine.core import EngineCore
+from ringserve.engine.wire import (
+    AbortRequests,
+    AddRequest,
+    CoreInput,
+    EngineCoreOutputs,
+    FinishReason,
+    UtilityCall,
+    UtilityOutput,
+)
+from ringserve.gpu.executor.base import Executor
+from ringserve.lifeline import install_lifeline
+from ringserve.serial import MsgpackDecoder, MsgpackEncoder
+
+DEAD_CALL_ID = -1
+
+
+class HandshakeReply(msgspec.Struct, tag="handshake", array_like=True):
+    """The core's first message: ready (with its sizes) or failed (with the reason)."""
+
+    ready: bool
+    num_blocks: int = 0
+    max_model_len: int = 0
+    error: str = ""
+
+
+class _Shutdown(Exception):
+    """Raised in the main thread by SIGTERM / SIGINT."""
+
+
+class EngineCoreProc:
+    """Runs one EngineCore behind zmq sockets.
+
+    Args:
+        config: the engine configuration.
+        engine_index: the data-parallel rank (routing id and title).
+        input_addr: the frontend's ROUTER address.
+        output_addr: the frontend's PULL address.
+        executor_class: override the executor (the null-model benchmark).
+    """
+
+    def __init__(self, config: EngineConfig, engine_index: int, input_addr: str,
+                 output_addr: str, executor_class: type[Executor] | None = None) -> None:
+        self.config = config
+        self.engine_index = engine_index
+        self.ctx = zmq.Context(io_threads=1)
+        self.input_queue: queue.Queue[CoreInput] = queue.Queue()
+        # Unbounded on purpose: the busy loop must never block on output; the output thread
+        # sends as fast as the socket allows and zmq's own high-water mark applies behind it.
+        self.output_queue: queue.Queue[Any] = queue.Queue()
+        self._threads = [
+            threading.Thread(target=self._input_thread, args=(input_addr,), daemon=True,
+                             name="ringserve-core-input"),
+            threading.Thread(target=self._output_thread, args=(output_addr,), daemon=True,
+                             name="ringserve-core-output"),
+        ]
+        for thread in self._threads:
+            thread.start()
+        self.core: EngineCore | None = None
+        self._executor_class = executor_class
+
+    # -- socket threads ------------------------------------------------------------------------
+
+    def _input_thread(self, addr: str) -> None:
+        sock = self.ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.ROUTING_ID, f"core{self.engine_index}".encode())
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(addr)
+        decoder: MsgpackDecoder[CoreInput] = MsgpackDecoder(CoreInput)  # type: ignore[arg-type]
+        try:
+            while True:
+                frames = sock.recv_multipart(copy=False)
+                self.input_queue.put(decoder.decode([f.buffer for f in frames]))
+        except zmq.ContextTerminated:
+            pass
+        finally:
+            sock.close(linger=0)
+
+    def _output_thread(self, addr: str) -> None:
+        sock = self.ctx.socket(zmq.PUSH)
+        sock.setsockopt(zmq.LINGER, 2000)
+        sock.connect(addr)
+        encoder = MsgpackEncoder()
+        try:
+            while True:
+                item = self.output_queue.get()
+                if item is None:
+                    break
+                sock.send_multipart(encoder.encode(item), copy=False)
+        except zmq.ContextTerminated:
+            pass
+        finally:
+            sock.close()
+
+    # -- lifecycle -------------------------------------------------------------------------------
+
+    def start_core(self) -> bool:
+        """Build the EngineCore and send the handshake; False (reason sent) on failure."""
+        try:
+            self.core = EngineCore(self.config, self._executor_class, self.engine_index)
+        except Exception as exc:  # reported to the frontend, which raises it
+            self.output_queue.put(HandshakeReply(ready=False, error=_describe(exc)))
+            return False
+        self.output_queue.put(HandshakeReply(
+            ready=True, num_blocks=self.core.num_blocks,
+            max_model_len=self.config.model_config.max_model_len))
+        return True
+
+    def run_busy_loop(self) -> None:
+        """Drain inputs (block only when idle), step, hand outputs off; until shutdown."""
+        core = self.core
+        if core is None:
+            raise RuntimeError("start_core() must succeed before run_busy_loop()")
+        use_queue = core.batch_queue_size > 1
+        while True:
+            self._drain_inputs(block=not core.has_work())
+            if use_queue:
+                outputs, _ = core.step_with_batch_queue()
+            else:
+                outputs, _ = core.step()
+            if outputs:
+                for client_outputs in outputs.values():
+                    self.output_queue.put(client_outputs)
+
+    def _drain_inputs(self, block: bool) -> None:
+        if block:
+            self._handle(self.input_queue.get())
+        while True:
+            try:
+                message = self.input_queue.get_nowait()
+            except queue.Empty:
+                return
+            self._handle(message)
+
+    def _handle(self, message: CoreInput) -> None:
+        core = self.core
+        assert core is not None  # run_busy_loop checked it
+        if isinstance(message, AddRequest):
+            core.add_request(message.request)
+        elif isinstance(message, AbortRequests):
+            core.abort_requests(message.request_ids)
+        elif isinstance(message, UtilityCall):
+            self._call_utility(core, message)
+
+    def _call_utility(self, core: EngineCore, call: UtilityCall) -> None:
+        try:
+            result = core.call_utility(call.method, call.args)
+            reply = UtilityOutput(call.call_id, result=result)
+        except Exception as exc:
+            reply = UtilityOutput(call.call_id, failure_message=_describe(exc))
+        self.output_queue.put(EngineCoreOutputs(engine_index=self.engine_index,
+                                                utility_output=reply))
+
+    def fail_all(self, exc: BaseException) -> None:
+        """Engine fault: end every request with ERROR and send the dead notice."""
+        core = self.core
+        if core is not None:
+            core.batch_queue.clear()
+            for client_outputs in core.scheduler.abort_all(FinishReason.ERROR).values():
+                self.output_queue.put(client_outputs)
+        self.output_queue.put(EngineCoreOutputs(
+            engine_index=self.engine_index,
+            utility_output=UtilityOutput(DEAD_CALL_ID, failure_message=_describe(exc))))
+
+    def close(self) -> None:
+        """Flush the output thread, stop the core and the sockets."""
+        self.output_queue.put(None)
+        self._threads[1].join(timeout=5)
+        if self.core is not None:
+            self.core.shutdown()
+        self.ctx.term()
+
+
+def _describe(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}"
+
+
+def _raise_shutdown(signum: int, frame: Any) -> None:
+    raise _Shutdown
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the engine-core process (see the module docstring)."""
+    parser = argparse.ArgumentParser(prog="ringserve.engine.core_proc")
+    parser.add_argument("--engine-index", type=int, required=True)
+    parser.add_argument("--input-addr", required=True)
+    parser.add_argument("--output-addr", required=True)
+    parser.add_argument("--lifeline-fd", type=int, required=True)
+    parser.add_argument("--parent-pid", type=int, required=True)
+    parser.add_argument("--executor", choices=("default", "null"), default="default")
+    ns = parser.parse_args(argv)
+    install_lifeline(ns.lifeline_fd, ns.parent_pid, f"ringserve::EngineCore_DP{ns.engine_index}")
+    signal.signal(signal.SIGTERM, _raise_shutdown)
+    signal.signal(signal.SIGINT, _raise_shutdown)
+    config = msgspec.msgpack.decode(sys.stdin.buffer.read(), type=EngineConfig)
+    executor_class: type[Executor] | None = None
+    if ns.executor == "null":
+        from ringserve.gpu.executor.null import NullExecutor
+
+        executor_class = NullExecutor
+    proc = EngineCoreProc(config, ns.engine_index, ns.input_addr, ns.output_addr, executor_class)
+    status = 0
+    try:
+        if not proc.start_core():
+            status = 1
+        else:
+            proc.run_busy_loop()
+    except _Shutdown:
+        status = 0
+    except Exception as exc:
+        traceback.print_exc()
+        proc.fail_all(exc)
+        status = 1
+    finally:
+        proc.close()
+    return status
+
+
+if __name__ == "__main__":
+    code = main()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)  # no interpreter teardown: every thread and socket is already closed

@@ -1,0 +1,133 @@
+"""LLMEngine: the synchronous frontend over one engine core (used by the offline `LLM`).
+
+add_request (validate, tokenize, fan out n > 1) -> the core client; step() -> the core's next
+outputs -> the output processor -> RequestOutputs; stop-string hits are aborted in the core.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+from ringserve import envs
+from ringserve.config import EngineConfig
+from ringserve.engine.arg_utils import EngineArgs
+from ringserve.engine.core_client import EngineCoreClient, InprocClient
+from ringserve.engine.input_processor import InputProcessor, PromptType
+from ringserve.engine.output_processor import OutputProcessor
+from ringserve.engine.parent_request import ParentRequest
+from ringserve.engine.wire import EngineCoreRequest
+from ringserve.gpu.executor.base import Executor
+from ringserve.outputs import RequestOutput
+from ringserve.sampling_params import SamplingParams
+
+
+def load_tokenizer(config: EngineConfig) -> Any:
+    """The model's transformers tokenizer (local files only)."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(config.model_config.tokenizer, local_files_only=True)
+
+
+def _make_client(config: EngineConfig, executor_class: type[Executor] | None) -> EngineCoreClient:
+    """A core in its own process (the default), or in this one (tests, executor overrides)."""
+    if executor_class is None and envs.enable_multiprocessing():
+        from ringserve.engine.mp_client import SyncMPClient
+
+        return SyncMPClient(config)
+    return InprocClient(config, executor_class)
+
+
+class LLMEngine:
+    """A synchronous engine: add requests, call `step()` until they finish.
+
+    Args:
+        config: the engine configuration.
+        executor_class: override the executor (tests and benchmarks).
+        client: use this core client; default: a core process (SyncMPClient) unless
+            RINGSERVE_ENABLE_MULTIPROCESSING=0 or an executor class is given (in-process).
+    """
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        executor_class: type[Executor] | None = None,
+        client: EngineCoreClient | None = None,
+    ) -> None:
+        self.config = config
+        self.tokenizer = load_tokenizer(config)
+        self.input_processor = InputProcessor(config.model_config, self.tokenizer)
+        self.output_processor = OutputProcessor(self.tokenizer)
+        self.engine_core = client if client is not None else _make_client(config, executor_class)
+
+    @classmethod
+    def from_engine_args(cls, args: EngineArgs, **kwargs: Any) -> LLMEngine:
+        """Build the config from `args`, then the engine."""
+        return cls(args.create_engine_config(), **kwargs)
+
+    def get_tokenizer(self) -> Any:
+        """The tokenizer used for prompts and outputs."""
+        return self.tokenizer
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: PromptType,
+        params: SamplingParams,
+        *,
+        arrival_time: float | None = None,
+        priority: int = 0,
+    ) -> None:
+        """Validate, tokenize and queue a request (n > 1 becomes n child requests).
+
+        Raises:
+            ValueError: the prompt or the parameters are invalid (nothing is queued).
+        """
+        request, text = self.input_processor.process(request_id, prompt, params,
+                                                     arrival_time=arrival_time, priority=priority)
+        self.add_processed_request(request, text)
+
+    def add_processed_request(self, request: EngineCoreRequest, text: str | None) -> None:
+        """Queue a request `input_processor.process` built (n > 1 fans out to children)."""
+        params = request.sampling_params
+        request_id = request.request_id
+        if params.n == 1:
+            self.output_processor.add_request(request, text)
+            self.engine_core.add_request(request)
+            return
+        parent = ParentRequest(request_id, params)
+        for index, child_id in enumerate(parent.child_ids):
+            child = msgspec.structs.replace(
+                request, request_id=child_id, sampling_params=parent.child_params(index))
+            self.output_processor.add_request(child, text, parent, index)
+            self.engine_core.add_request(child)
+
+    def abort_request(self, request_ids: list[str]) -> None:
+        """Abort requests by their user ids (n > 1 parents abort all children)."""
+        core_ids = self.output_processor.abort_requests(request_ids)
+        self.engine_core.abort_requests(core_ids)
+
+    def step(self) -> list[RequestOutput]:
+        """Run the core until it produces outputs; returns the RequestOutputs they make."""
+        outputs = self.engine_core.get_output()
+        processed = self.output_processor.process_outputs(outputs.outputs)
+        if processed.reqs_to_abort:
+            self.engine_core.abort_requests(processed.reqs_to_abort)
+        return processed.request_outputs
+
+    def has_unfinished_requests(self) -> bool:
+        """True while any request is in flight."""
+        return self.output_processor.has_unfinished_requests()
+
+    def get_num_unfinished_requests(self) -> int:
+        """Number of (child) requests in flight."""
+        return self.output_processor.get_num_unfinished_requests()
+
+    def call_utility(self, method: str, *args: Any) -> Any:
+        """Call an engine-core utility (reset_prefix_cache, pause, ...)."""
+        return self.engine_core.call_utility(method, *args)
+
+    def shutdown(self) -> None:
+        """Stop the engine core; idempotent."""
+        self.engine_core.shutdown()

@@ -1,0 +1,243 @@
+"""Multiprocess engine-core clients: the core runs in its own process, reached over zmq.
+
+`CoreProcess` launches `python -m ringserve.engine.core_proc` (config as msgpack on stdin, a
+lifeline pipe, the two zmq addresses) and watches it with a thread blocked in `Popen.wait`, so
+its death is noticed at once. `SyncMPClient` (for `LLMEngine` and `LLM`) binds a ROUTER for
+requests and a PULL for outputs on ipc:// paths in a private temporary directory, waits for the
+core's handshake (raising `EngineStartupError` with the core's own reason), and then sends
+`CoreInput`s and receives `EngineCoreOutputs` (zero-copy frames). No pickle anywhere.
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from typing import Any
+
+import msgspec
+import zmq
+
+from ringserve import envs
+from ringserve.config import EngineConfig
+from ringserve.engine.core_client import EngineCoreClient
+from ringserve.engine.core_proc import DEAD_CALL_ID, HandshakeReply
+from ringserve.engine.errors import EngineDeadError, EngineStartupError
+from ringserve.engine.wire import (
+    AbortRequests,
+    AddRequest,
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    UtilityCall,
+)
+from ringserve.lifeline import Lifeline
+from ringserve.serial import MsgpackDecoder, MsgpackEncoder
+
+_POLL_MS = 100
+
+
+class CoreProcess:
+    """One engine-core child process and its lifeline.
+
+    Args:
+        config: the engine configuration (sent on the child's stdin).
+        engine_index: the data-parallel rank.
+        input_addr: the ROUTER address the core connects its DEALER to.
+        output_addr: the PULL address the core connects its PUSH to.
+        executor: "default" or "null" (engine-overhead benchmark).
+    """
+
+    def __init__(self, config: EngineConfig, engine_index: int, input_addr: str,
+                 output_addr: str, executor: str = "default") -> None:
+        self.engine_index = engine_index
+        self.lifeline = Lifeline.create()
+        cmd = [
+            sys.executable, "-m", "ringserve.engine.core_proc",
+            "--engine-index", str(engine_index), "--input-addr", input_addr,
+            "--output-addr", output_addr, "--lifeline-fd", str(self.lifeline.child_fd),
+            "--parent-pid", str(os.getpid()), "--executor", executor,
+        ]
+        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, pass_fds=(self.lifeline.child_fd,))
+        self.lifeline.child_started()
+        assert self.proc.stdin is not None  # stdin=PIPE
+        self.proc.stdin.write(msgspec.msgpack.encode(config))
+        self.proc.stdin.close()
+        self.exited = threading.Event()
+        self._watcher = threading.Thread(target=self._watch, daemon=True,
+                                         name=f"ringserve-core{engine_index}-watch")
+        self._watcher.start()
+
+    def _watch(self) -> None:
+        self.proc.wait()
+        self.exited.set()
+
+    @property
+    def pid(self) -> int:
+        """The child's pid."""
+        return self.proc.pid
+
+    def describe_exit(self) -> str:
+        """How the process ended, for error messages."""
+        code = self.proc.returncode
+        if code is None:
+            return "still running"
+        if code < 0:
+            return f"killed by signal {signal.Signals(-code).name}"
+        return f"exited with status {code}"
+
+    def terminate(self, timeout: float = 10.0) -> None:
+        """SIGTERM, wait up to `timeout`, then SIGKILL; cuts the lifeline; idempotent."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.lifeline.cut()
+
+
+class SyncMPClient(EngineCoreClient):
+    """A blocking client of one engine core in a child process.
+
+    Args:
+        config: the engine configuration.
+        executor: "default" or "null".
+
+    Raises:
+        EngineStartupError: the core failed to start (its reason) or did not answer in time.
+    """
+
+    def __init__(self, config: EngineConfig, executor: str = "default") -> None:
+        self.ctx = zmq.Context(io_threads=1)
+        self._dir = tempfile.mkdtemp(prefix="ringserve-zmq-")
+        self.input_sock = self.ctx.socket(zmq.ROUTER)
+        self.input_sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        self.input_sock.setsockopt(zmq.LINGER, 0)
+        self.output_sock = self.ctx.socket(zmq.PULL)
+        self.output_sock.setsockopt(zmq.LINGER, 0)
+        input_addr, output_addr = f"ipc://{self._dir}/input", f"ipc://{self._dir}/output"
+        self.input_sock.bind(input_addr)
+        self.output_sock.bind(output_addr)
+        self._identity = b"core0"
+        self._encoder = MsgpackEncoder()
+        self._decoder = MsgpackDecoder(EngineCoreOutputs)
+        self._pending: collections.deque[EngineCoreOutputs] = collections.deque()
+        self._call_ids = itertools.count(1)
+        self._dead: str | None = None
+        self._closed = False
+        self.process = CoreProcess(config, 0, input_addr, output_addr, executor)
+        try:
+            reply = self._handshake(envs.engine_ready_timeout_s())
+        except BaseException:
+            self.shutdown()
+            raise
+        self.num_blocks = reply.num_blocks
+        self.max_model_len = reply.max_model_len
+
+    def _handshake(self, timeout: float) -> HandshakeReply:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.output_sock.poll(_POLL_MS):
+                body = self.output_sock.recv()
+                reply = msgspec.msgpack.decode(body, type=HandshakeReply)
+                if not reply.ready:
+                    raise EngineStartupError(f"engine core failed to start: {reply.error}")
+                return reply
+            if self.process.exited.is_set():
+                raise EngineStartupError(
+                    f"engine core {self.process.describe_exit()} before it was ready "
+                    "(its stderr above says why)")
+        raise EngineStartupError(f"engine core did not become ready within {timeout:.0f} s "
+                                 "(RINGSERVE_ENGINE_READY_TIMEOUT_S)")
+
+    # -- sending ---------------------------------------------------------------------------------
+
+    def _send(self, message: Any) -> None:
+        self._check_alive()
+        try:
+            self.input_sock.send_multipart([self._identity, *self._encoder.encode(message)],
+                                           copy=False)
+        except zmq.ZMQError as exc:
+            self._mark_dead(f"cannot reach the engine core: {exc}")
+            self._check_alive()
+
+    def add_request(self, request: EngineCoreRequest) -> None:
+        self._send(AddRequest(request))
+
+    def abort_requests(self, request_ids: list[str]) -> None:
+        if request_ids and self._dead is None:
+            self._send(AbortRequests(request_ids))
+
+    # -- receiving -------------------------------------------------------------------------------
+
+    def _recv(self, timeout_ms: int) -> EngineCoreOutputs | None:
+        if not self.output_sock.poll(timeout_ms):
+            if self.process.exited.is_set() and not self.output_sock.poll(0):
+                self._mark_dead(f"engine core {self.process.describe_exit()}")
+            return None
+        frames = self.output_sock.recv_multipart(copy=False)
+        outputs = self._decoder.decode([f.buffer for f in frames])
+        utility = outputs.utility_output
+        if utility is not None and utility.call_id == DEAD_CALL_ID:
+            self._mark_dead(f"engine core failed: {utility.failure_message}")
+            self._pending.append(EngineCoreOutputs(engine_index=outputs.engine_index))
+        return outputs
+
+    def get_output(self) -> EngineCoreOutputs:
+        """The next batch of outputs; blocks until one arrives.
+
+        Raises:
+            EngineDeadError: the core died (after its final outputs were delivered).
+        """
+        while True:
+            if self._pending:
+                return self._pending.popleft()
+            self._check_alive()
+            outputs = self._recv(_POLL_MS)
+            if outputs is not None and outputs.utility_output is None:
+                return outputs
+            if outputs is not None and outputs.outputs:
+                return outputs
+
+    def call_utility(self, method: str, *args: Any) -> Any:
+        call_id = next(self._call_ids)
+        self._send(UtilityCall(call_id, method, list(args)))
+        while True:
+            self._check_alive()
+            outputs = self._recv(_POLL_MS)
+            if outputs is None:
+                continue
+            utility = outputs.utility_output
+            if utility is not None and utility.call_id == call_id:
+                if utility.failure_message is not None:
+                    raise ValueError(utility.failure_message)
+                return utility.result
+            if outputs.outputs or outputs.finished_requests:
+                self._pending.append(outputs)
+
+    def _mark_dead(self, reason: str) -> None:
+        if self._dead is None:
+            self._dead = reason
+
+    def _check_alive(self) -> None:
+        if self._dead is not None and not self._pending:
+            raise EngineDeadError(self._dead)
+
+    def shutdown(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._mark_dead("the engine was shut down")
+        self.process.terminate()
+        self.input_sock.close(linger=0)
+        self.output_sock.close(linger=0)
+        self.ctx.term()
+        shutil.rmtree(self._dir, ignore_errors=True)
