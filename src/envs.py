@@ -6,6 +6,7 @@
 | RINGSERVE_ENABLE_MULTIPROCESSING | 1 | `LLM`/`LLMEngine` run the engine core in its own process |
 | RINGSERVE_ENGINE_READY_TIMEOUT_S | 600 | seconds a frontend waits for a core's start-up handshake |
 | RINGSERVE_OUTPUT_PROC_CHUNK_SIZE | 128 | outputs the async output handler processes between yields |
+| RINGSERVE_EXECUTOR_RING_BYTES | 16777216 | data bytes of each mp-executor ring (a power of two) |
 """
 
 from __future__ import annotations
@@ -56,3 +57,16 @@ def engine_ready_timeout_s() -> float:
 def output_proc_chunk_size() -> int:
     """RINGSERVE_OUTPUT_PROC_CHUNK_SIZE (default 128)."""
     return int(_number("RINGSERVE_OUTPUT_PROC_CHUNK_SIZE", 128, minimum=1))
+
+
+def executor_ring_bytes() -> int:
+    """RINGSERVE_EXECUTOR_RING_BYTES (default 16 MiB): data bytes of each executor ring.
+
+    The mp executor's broadcast ring and per-worker response rings each get this many bytes
+    (a power of two); the largest SchedulerOutput or ModelRunnerOutput is half of it. Pages
+    are only touched as frames pass, so a large value costs little.
+    """
+    value = int(_number("RINGSERVE_EXECUTOR_RING_BYTES", 1 << 24, minimum=4096))
+    if value & (value - 1):
+        raise ValueError(f"RINGSERVE_EXECUTOR_RING_BYTES: got {value}, allowed: a power of two")
+    return value

@@ -204,9 +204,10 @@ class EngineArgs:
         if backend == "uni" and self.tensor_parallel_size > 1:
             raise _fail("distributed_executor_backend", backend,
                         "mp or ray when tensor_parallel_size > 1")
-        if backend == "mp":
-            return "mp"
-        return "ray" if backend == "ray" else "uni"
+        if backend == "ray":
+            raise _fail("distributed_executor_backend", backend,
+                        "uni or mp (the Ray executor is not built yet)")
+        return "mp" if backend == "mp" else "uni"
 
     def _verify(self) -> None:
         for name in ("max_num_seqs", "tensor_parallel_size", "data_parallel_size", "block_size"):

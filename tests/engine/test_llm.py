@@ -131,3 +131,13 @@ def test_sigkilled_parent_leaves_no_engine_core(tiny_llama_dir: Path) -> None:
     finally:
         if parent.poll() is None:
             parent.kill()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("tp", [1, 2])
+def test_mp_executor_tensor_parallel_matches_transformers(tp: int, tiny_qwen2_dir: Path) -> None:
+    expected = _hf_greedy(tiny_qwen2_dir, PROMPTS, 12)
+    with LLM(str(tiny_qwen2_dir), tensor_parallel_size=tp, distributed_executor_backend="mp",
+             **SMALL) as llm:
+        outputs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    assert _token_ids(outputs) == expected

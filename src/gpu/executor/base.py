@@ -36,7 +36,11 @@ class Executor(ABC):
             from ringserve.gpu.executor.uniproc import UniProcExecutor
 
             return UniProcExecutor
-        raise ValueError(f"distributed_executor_backend {backend!r} is not available yet; use uni")
+        if backend == "mp":
+            from ringserve.gpu.executor.multiproc import MultiprocExecutor
+
+            return MultiprocExecutor
+        raise ValueError(f"distributed_executor_backend {backend!r} is not available yet; use uni or mp")
 
     @property
     def max_concurrent_batches(self) -> int:

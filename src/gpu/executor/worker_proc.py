@@ -1,0 +1,156 @@
+"""The worker process of the multiprocess executor: `python -m ringserve.gpu.executor.worker_proc`.
+
+Started by `multiproc.MultiprocExecutor` (never by hand). Start-up, in this order so a broken
+start is reported quickly: tie itself to the parent (`install_lifeline`: title
+`ringserve::Worker_TP<rank>`, PR_SET_PDEATHSIG, lifeline pipe), read its `WorkerSpec` (msgpack)
+from stdin, attach the broadcast ring as reader `rank` and its own response ring as writer
+(before torch is imported, so the executor's attach wait is short), build the `Worker`, then
+serve the broadcast ring until a shutdown frame or the executor's death:
+
+* `STEP`: run `Worker.execute_model`; rank 0 sends the `ModelRunnerOutput` back (body and
+  array buffers laid into one frame); an exception becomes a `StepError` frame from the rank
+  that raised, and the loop goes on (the executor treats it as an engine fault);
+* `RPC`: call the named public method of the `Worker`; every rank replies (value or error);
+* `SHUTDOWN`: close both rings and exit 0.
+
+Every frame is decoded and released before the work starts, so the executor can queue the
+next step while this one runs (async scheduling).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import traceback
+from typing import Any
+
+import msgspec
+
+from ringserve.gpu.executor.wire import (
+    FrameKind,
+    RpcReply,
+    RpcRequest,
+    StepError,
+    WorkerSpec,
+    read_buffers,
+    write_message,
+)
+from ringserve.lifeline import install_lifeline
+from ringserve.serial import MsgpackDecoder, MsgpackEncoder
+from ringserve.shm import PeerDiedError, RingClosedError, RingReader, RingWriter
+
+
+def _describe(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}"
+
+
+class WorkerLoop:
+    """Serves one worker's rings (everything after start-up).
+
+    Args:
+        worker: the `ringserve.gpu.worker.Worker` (typed loosely: built after torch's import).
+        rank: the TP rank.
+        sched: the broadcast ring's reading end.
+        out: this rank's response ring's writing end.
+    """
+
+    def __init__(self, worker: Any, rank: int, sched: RingReader, out: RingWriter) -> None:
+        from ringserve.gpu.wire import SchedulerOutput
+
+        self.worker = worker
+        self.rank = rank
+        self.sched = sched
+        self.out = out
+        self._step_decoder = MsgpackDecoder(SchedulerOutput)
+        self._rpc_decoder = MsgpackDecoder(RpcRequest)
+        self._encoder = MsgpackEncoder()
+
+    def run(self) -> None:
+        """Serve frames until a shutdown frame (returns) or the executor's death (raises)."""
+        while True:
+            frame = self.sched.recv()
+            kind = frame.kind
+            if kind == FrameKind.STEP:
+                so = self._step_decoder.decode(read_buffers(frame.data, copy_out_of_band=True))
+                self.sched.release()
+                self._step(so)
+            elif kind == FrameKind.RPC:
+                request = self._rpc_decoder.decode(read_buffers(frame.data, copy_out_of_band=True))
+                self.sched.release()
+                self._rpc(request)
+            elif kind == FrameKind.SHUTDOWN:
+                self.sched.release()
+                return
+            else:
+                raise ValueError(f"worker {self.rank}: unknown frame kind {kind}")
+
+    def _step(self, so: Any) -> None:
+        try:
+            output = self.worker.execute_model(so)
+        except Exception as exc:
+            error = StepError(so.step_id, self.rank, _describe(exc), traceback.format_exc())
+            write_message(self.out, FrameKind.STEP_ERROR, self._encoder.encode(error))
+            return
+        if self.rank == 0:
+            write_message(self.out, FrameKind.OUTPUT, self._encoder.encode(output))
+
+    def _rpc(self, request: RpcRequest) -> None:
+        reply = RpcReply(request.call_id, self.rank)
+        try:
+            if request.method.startswith("_"):
+                raise AttributeError(f"{request.method!r} is private; only public methods")
+            reply.value = getattr(self.worker, request.method)(*request.args)
+            bufs = self._encoder.encode(reply)
+        except Exception as exc:
+            reply.value = None
+            reply.error = _describe(exc)
+            bufs = self._encoder.encode(reply)
+        write_message(self.out, FrameKind.RPC_REPLY, bufs)
+
+
+def _limit_cpu_threads(spec: WorkerSpec) -> None:
+    """On CPU, share the cores between the TP ranks unless OMP_NUM_THREADS says otherwise."""
+    import torch
+
+    tp = spec.config.parallel_config.tensor_parallel_size
+    if spec.config.device_config.device == "cpu" and tp > 1 and "OMP_NUM_THREADS" not in os.environ:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // tp))
+
+
+def serve(spec: WorkerSpec) -> None:
+    """Attach the rings, build the worker and serve until shutdown (the process's body)."""
+    sched = RingReader.attach(spec.sched_ring, spec.rank)
+    out = RingWriter.attach(spec.out_ring)
+    try:
+        _limit_cpu_threads(spec)
+        from ringserve.gpu.worker import Worker
+
+        worker = Worker(
+            spec.config, rank=spec.rank, local_rank=spec.local_rank,
+            distributed_init_method=spec.distributed_init_method,
+        )
+        WorkerLoop(worker, spec.rank, sched, out).run()
+    finally:
+        out.close()
+        sched.close()
+
+
+def main() -> int:
+    """Entry point: read the spec from stdin and serve; the exit status is the outcome."""
+    raw = sys.stdin.buffer.read()
+    spec = msgspec.msgpack.decode(raw, type=WorkerSpec)
+    install_lifeline(spec.lifeline_fd, spec.parent_pid, f"ringserve::Worker_TP{spec.rank}")
+    try:
+        serve(spec)
+    except (PeerDiedError, RingClosedError):
+        return 1  # the executor is gone or closed its end: nobody to report to
+    return 0
+
+
+if __name__ == "__main__":
+    status = main()
+    # The rings are closed and nothing else needs finalising: skip torch's slow teardown
+    # (hundreds of milliseconds, more with a process group) so shutdown() is quick.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)
