@@ -11,6 +11,7 @@ Utility calls (`call_utility`) reach the methods named in `UTILITY_METHODS`.
 from __future__ import annotations
 
 import logging
+import time
 from collections import deque
 from concurrent.futures import Future
 from typing import Any, Literal
@@ -28,7 +29,7 @@ logger = logging.getLogger(__name__)
 PauseMode = Literal["keep", "abort", "wait"]
 
 UTILITY_METHODS = frozenset({
-    "get_weight_version", "set_weight_version", "pause", "resume", "is_paused",
+    "get_step_timings", "get_weight_version", "set_weight_version", "pause", "resume", "is_paused",
     "reset_prefix_cache", "get_stats", "get_num_blocks", "ping",
 })
 
@@ -76,6 +77,9 @@ class EngineCore:
         )
         self.batch_queue_size = self.executor.max_concurrent_batches
         self.batch_queue: deque[tuple[Future[ModelRunnerOutput], SchedulerOutput]] = deque()
+        # Seconds spent per phase since the last get_step_timings() (engine-overhead benchmark).
+        self.timings: dict[str, float] = dict.fromkeys(("schedule", "execute", "update"), 0.0)
+        self.timings["steps"] = 0.0
         self.weight_version: str | None = None
         self.pause_mode: PauseMode | None = None
         self._held: list[EngineCoreRequest] = []  # requests that arrived while paused
@@ -111,12 +115,18 @@ class EngineCore:
         """One synchronous step; returns (outputs per client, whether the model ran)."""
         if not self._may_schedule():
             return self.scheduler.take_pending_outputs(), False
+        timings, t0 = self.timings, time.perf_counter()
         scheduler_output = self.scheduler.schedule()
         if not _worth_sending(scheduler_output):
             return self.scheduler.take_pending_outputs(), False
-        future = self.executor.execute_model(scheduler_output, non_block=True)
-        model_output = future.result()
+        t1 = time.perf_counter()
+        model_output = self.executor.execute_model(scheduler_output, non_block=True).result()
+        t2 = time.perf_counter()
         outputs = self.scheduler.update_from_output(scheduler_output, model_output)
+        timings["schedule"] += t1 - t0
+        timings["execute"] += t2 - t1
+        timings["update"] += time.perf_counter() - t2
+        timings["steps"] += 1
         return outputs, True
 
     def step_with_batch_queue(self) -> tuple[dict[int, EngineCoreOutputs] | None, bool]:
@@ -125,10 +135,12 @@ class EngineCore:
         Returns (None, True) when a step was submitted and the queue is not full yet, so the
         caller can take new requests before waiting for the oldest step.
         """
-        queue = self.batch_queue
+        queue, timings = self.batch_queue, self.timings
         submitted = False
         if len(queue) < self.batch_queue_size and self._may_schedule():
+            t0 = time.perf_counter()
             scheduler_output = self.scheduler.schedule()
+            timings["schedule"] += time.perf_counter() - t0
             if _worth_sending(scheduler_output):
                 future = self.executor.execute_model(scheduler_output, non_block=True)
                 queue.appendleft((future, scheduler_output))
@@ -138,8 +150,14 @@ class EngineCore:
         if not queue:
             return self.scheduler.take_pending_outputs(), submitted
         future, scheduler_output = queue.pop()
+        t1 = time.perf_counter()
         model_output = future.result()
-        return self.scheduler.update_from_output(scheduler_output, model_output), True
+        t2 = time.perf_counter()
+        outputs = self.scheduler.update_from_output(scheduler_output, model_output)
+        timings["execute"] += t2 - t1
+        timings["update"] += time.perf_counter() - t2
+        timings["steps"] += 1
+        return outputs, True
 
     def _may_schedule(self) -> bool:
         return self.scheduler.has_requests() and self.pause_mode not in ("keep", "abort")
@@ -172,6 +190,13 @@ class EngineCore:
     def ping(self) -> str:
         """Liveness check through the utility channel."""
         return "pong"
+
+    def get_step_timings(self) -> dict[str, float]:
+        """Seconds per phase (schedule, execute, update, output) and steps since the last call."""
+        timings = dict(self.timings)
+        for key in self.timings:
+            self.timings[key] = 0.0
+        return timings
 
     def get_weight_version(self) -> str | None:
         """The opaque weight version set by the operator (None until set)."""

@@ -25,6 +25,7 @@ import queue
 import signal
 import sys
 import threading
+import time
 import traceback
 from typing import Any
 
@@ -115,12 +116,17 @@ class EngineCoreProc:
         sock.setsockopt(zmq.LINGER, 2000)
         sock.connect(addr)
         encoder = MsgpackEncoder()
+        clock = time.perf_counter
         try:
             while True:
                 item = self.output_queue.get()
                 if item is None:
                     break
+                start = clock()
                 sock.send_multipart(encoder.encode(item), copy=False)
+                if self.core is not None:
+                    timings = self.core.timings
+                    timings["output"] = timings.get("output", 0.0) + clock() - start
         except zmq.ContextTerminated:
             pass
         finally:

@@ -77,12 +77,19 @@ class RotaryEmbedding(nn.Module):
         freqs = torch.arange(max_position, dtype=torch.float)[:, None] * inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
         self.register_buffer("cos_sin", torch.stack((emb.cos(), emb.sin())), persistent=False)
+        self._last: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def forward(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Rotate `q` [T, Hq, D] and `k` [T, Hk, D] by their token `positions` [T]."""
-        table = self.cos_sin[:, positions].to(q.dtype).unsqueeze(2)
+        # Every layer rotates by the same step's positions: gather the table once per step.
+        cached = self._last
+        if cached is not None and cached[0] is positions and cached[1].dtype == q.dtype:
+            table = cached[1]
+        else:
+            table = self.cos_sin[:, positions].to(q.dtype).unsqueeze(2)
+            self._last = (positions, table)
         cos, sin = table[0], table[1]
         return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
 
