@@ -1,7 +1,7 @@
 """The `ringserve` command: subcommands over the library, with one-line errors for mistakes.
 
-`ringserve demo-model PATH` writes the demo model directory; `ringserve bench ipc` runs the ring
-benchmark. A user mistake (bad flag, missing model directory, out-of-range value) prints one
+`ringserve demo-model PATH` writes the demo model directory; `ringserve bench ipc` and
+`ringserve bench throughput` run the benchmarks of docs/benchmarks.md. A user mistake (bad flag, missing model directory, out-of-range value) prints one
 `ringserve: error: ...` line and exits with status 2, never a traceback.
 """
 
@@ -38,6 +38,12 @@ def _bench_ipc(ns: argparse.Namespace) -> int:
     return bench.main(list(ns.passthrough))
 
 
+def _bench_throughput(ns: argparse.Namespace) -> int:
+    from ringserve.engine import bench_throughput
+
+    return bench_throughput.main(list(ns.passthrough))
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The top-level parser with every subcommand."""
     from ringserve import __version__
@@ -64,6 +70,10 @@ def build_parser() -> argparse.ArgumentParser:
     ipc = bench_sub.add_parser("ipc", help="shm rings vs zmq ipc and multiprocessing.Pipe",
                                add_help=False)
     ipc.set_defaults(handler=_bench_ipc, passthrough_ok=True)
+    throughput = bench_sub.add_parser(
+        "throughput", add_help=False,
+        help="LLM.generate vs transformers on the fixed workload; null-model engine overhead")
+    throughput.set_defaults(handler=_bench_throughput, passthrough_ok=True)
     return parser
 
 

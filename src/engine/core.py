@@ -29,6 +29,7 @@ logger = logging.getLogger(__name__)
 PauseMode = Literal["keep", "abort", "wait"]
 
 UTILITY_METHODS = frozenset({
+    "sleep", "wake_up", "is_sleeping",
     "get_step_timings", "get_weight_version", "set_weight_version", "pause", "resume", "is_paused",
     "reset_prefix_cache", "get_stats", "get_num_blocks", "ping",
 })
@@ -80,18 +81,20 @@ class EngineCore:
         # Seconds spent per phase since the last get_step_timings() (engine-overhead benchmark).
         self.timings: dict[str, float] = dict.fromkeys(("schedule", "execute", "update"), 0.0)
         self.timings["steps"] = 0.0
+        self._timings_since = time.perf_counter()
         self.weight_version: str | None = None
         self.pause_mode: PauseMode | None = None
-        self._held: list[EngineCoreRequest] = []  # requests that arrived while paused
+        self._held: list[EngineCoreRequest] = []  # requests that arrived while paused/asleep
+        self.sleep_level = 0
 
     # -- requests ------------------------------------------------------------------------------
 
     def add_request(self, request: EngineCoreRequest) -> None:
         """Queue a request (one that can never run finishes with an ERROR output).
 
-        While paused, new requests are held and queued on `resume()`.
+        While paused or asleep, new requests are held and queued on `resume()` / `wake_up()`.
         """
-        if self.pause_mode is not None:
+        if self.pause_mode is not None or self.sleep_level:
             self._held.append(request)
             return
         self.scheduler.add_request(request)
@@ -106,8 +109,8 @@ class EngineCore:
 
     def has_work(self) -> bool:
         """True while there is something to schedule, in flight, or to report."""
-        return (self.scheduler.has_requests() and self.pause_mode not in ("keep", "abort")) or bool(
-            self.batch_queue) or self.scheduler.has_finished_requests()
+        return self._may_schedule() or bool(self.batch_queue) or (
+            self.scheduler.has_finished_requests())
 
     # -- steps ---------------------------------------------------------------------------------
 
@@ -160,7 +163,8 @@ class EngineCore:
         return outputs, True
 
     def _may_schedule(self) -> bool:
-        return self.scheduler.has_requests() and self.pause_mode not in ("keep", "abort")
+        return (self.scheduler.has_requests() and self.pause_mode not in ("keep", "abort")
+                and not self.sleep_level)
 
     def drain(self) -> dict[int, EngineCoreOutputs]:
         """Wait for every step in flight and apply it (before pausing or shutting down)."""
@@ -192,8 +196,12 @@ class EngineCore:
         return "pong"
 
     def get_step_timings(self) -> dict[str, float]:
-        """Seconds per phase (schedule, execute, update, output) and steps since the last call."""
+        """Seconds per phase (schedule, execute, update, output), steps and elapsed wall time
+        since the last call."""
+        now = time.perf_counter()
         timings = dict(self.timings)
+        timings["elapsed"] = now - self._timings_since
+        self._timings_since = now
         for key in self.timings:
             self.timings[key] = 0.0
         return timings
@@ -217,11 +225,45 @@ class EngineCore:
         self.pause_mode = mode  # type: ignore[assignment]
 
     def resume(self) -> None:
-        """Undo `pause`; requests that arrived meanwhile are queued now."""
+        """Undo `pause`; requests that arrived meanwhile are queued now (unless asleep)."""
         self.pause_mode = None
+        self._release_held()
+
+    def _release_held(self) -> None:
+        if self.pause_mode is not None or self.sleep_level:
+            return
         held, self._held = self._held, []
         for request in held:
             self.scheduler.add_request(request)
+
+    def sleep(self, level: int = 1) -> None:
+        """Free device memory: level 1 the KV cache, level 2 also the weights.
+
+        Raises:
+            ValueError: requests are in flight (abort them, or pause with mode "wait" and
+                let them finish), or a level other than 1 or 2.
+        """
+        if level not in (1, 2):
+            raise ValueError(f"sleep level: got {level!r}, allowed: 1 (KV cache) or 2 (+ weights)")
+        busy = self.scheduler.get_num_unfinished_requests()
+        if busy:
+            raise ValueError(f"sleep: {busy} requests are in flight; abort them or "
+                             "pause(mode='wait') until they finish")
+        self.drain()
+        self.executor.collective_rpc("sleep", (level,))
+        self.scheduler.reset_prefix_cache()  # the cached blocks' contents are gone
+        self.sleep_level = max(self.sleep_level, level)
+
+    def wake_up(self) -> None:
+        """Undo `sleep`: weights and KV cache back; held requests are queued."""
+        if self.sleep_level:
+            self.executor.collective_rpc("wake_up")
+        self.sleep_level = 0
+        self._release_held()
+
+    def is_sleeping(self) -> int:
+        """The current sleep level (0: awake)."""
+        return self.sleep_level
 
     def is_paused(self) -> bool:
         """True while paused."""

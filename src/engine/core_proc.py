@@ -227,7 +227,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--output-addr", required=True)
     parser.add_argument("--lifeline-fd", type=int, required=True)
     parser.add_argument("--parent-pid", type=int, required=True)
-    parser.add_argument("--executor", choices=("default", "null"), default="default")
+    parser.add_argument("--executor", choices=("default", "null", "null-mp"), default="default")
     ns = parser.parse_args(argv)
     install_lifeline(ns.lifeline_fd, ns.parent_pid, f"ringserve::EngineCore_DP{ns.engine_index}")
     signal.signal(signal.SIGTERM, _raise_shutdown)
@@ -238,6 +238,10 @@ def main(argv: list[str] | None = None) -> int:
         from ringserve.gpu.executor.null import NullExecutor
 
         executor_class = NullExecutor
+    elif ns.executor == "null-mp":
+        from ringserve.gpu.executor.null import NullMultiprocExecutor
+
+        executor_class = NullMultiprocExecutor
     proc = EngineCoreProc(config, ns.engine_index, ns.input_addr, ns.output_addr, executor_class)
     status = 0
     try:

@@ -63,6 +63,18 @@ class LLM:
         """The engine's tokenizer."""
         return self.llm_engine.get_tokenizer()
 
+    def sleep(self, level: int = 1) -> None:
+        """Free memory while idle: level 1 the KV cache, level 2 also the weights."""
+        self.llm_engine.call_utility("sleep", level)
+
+    def wake_up(self) -> None:
+        """Restore what `sleep` freed."""
+        self.llm_engine.call_utility("wake_up")
+
+    def reset_prefix_cache(self) -> bool:
+        """Drop every cached prefix block that no request uses."""
+        return bool(self.llm_engine.call_utility("reset_prefix_cache"))
+
     # -- generation ----------------------------------------------------------------------------
 
     def generate(

@@ -51,7 +51,8 @@ class CoreProcess:
         engine_index: the data-parallel rank.
         input_addr: the ROUTER address the core connects its DEALER to.
         output_addr: the PULL address the core connects its PUSH to.
-        executor: "default" or "null" (engine-overhead benchmark).
+        executor: "default", or "null" / "null-mp" (engine-overhead benchmark: a null model
+            in the core process, or in mp worker processes behind the rings).
     """
 
     def __init__(self, config: EngineConfig, engine_index: int, input_addr: str,
@@ -109,7 +110,7 @@ class SyncMPClient(EngineCoreClient):
 
     Args:
         config: the engine configuration.
-        executor: "default" or "null".
+        executor: "default", "null" or "null-mp" (see `CoreProcess`).
 
     Raises:
         EngineStartupError: the core failed to start (its reason) or did not answer in time.

@@ -59,18 +59,22 @@ class ModelRunner:
         self.kv_spec = KVCacheSpec.from_config(
             config.model_config, config.cache_config, self.tp.world_size
         )
-        self.table = RequestTable(
-            max_num_reqs=config.scheduler_config.max_num_seqs,
-            max_model_len=config.model_config.max_model_len,
-            block_size=config.cache_config.block_size,
-            eos_token_ids=config.model_config.eos_token_ids,
-            device=device,
-            tokenize=bad_words_encoder(config.model_config.tokenizer),
-        )
+        self.table = self._new_table()
         self.sampler = Sampler()
         self._model: LlamaForCausalLM | None = None
         self.kv_caches: list[torch.Tensor] = []
         self.request_errors: dict[str, str] = {}
+
+    def _new_table(self) -> RequestTable:
+        config = self.config
+        return RequestTable(
+            max_num_reqs=config.scheduler_config.max_num_seqs,
+            max_model_len=config.model_config.max_model_len,
+            block_size=config.cache_config.block_size,
+            eos_token_ids=config.model_config.eos_token_ids,
+            device=self.device,
+            tokenize=bad_words_encoder(config.model_config.tokenizer),
+        )
 
     @property
     def model(self) -> LlamaForCausalLM:
@@ -92,6 +96,15 @@ class ModelRunner:
     def initialize_kv_cache(self, num_blocks: int) -> None:
         """Allocate `num_blocks` KV blocks per layer (layout: `ringserve.gpu.kv_cache`)."""
         self.kv_caches = allocate_kv_cache(self.kv_spec, num_blocks, self.device)
+
+    def release_kv_cache(self) -> None:
+        """Drop the KV cache tensors and every request's state (sleep)."""
+        self.kv_caches = []
+        self.table = self._new_table()
+
+    def release_model(self) -> None:
+        """Drop the weights (sleep level 2); `load_model` brings them back."""
+        self._model = None
 
     @torch.inference_mode()
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:

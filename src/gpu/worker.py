@@ -55,6 +55,8 @@ class Worker:
         self.device = torch.device("cpu")
         self.tp = TPGroup()
         self._runner: ModelRunner | None = None
+        self._num_blocks = 0
+        self._sleep_level = 0
 
     @property
     def runner(self) -> ModelRunner:
@@ -110,6 +112,37 @@ class Worker:
     def initialize_kv_cache(self, num_blocks: int) -> None:
         """Allocate the KV cache (the same `num_blocks` on every rank)."""
         self.runner.initialize_kv_cache(num_blocks)
+        self._num_blocks = num_blocks
+
+    def sleep(self, level: int) -> None:
+        """Free device memory while idle: level 1 the KV cache, level 2 also the weights.
+
+        The engine core calls this only with no request in flight; `wake_up` restores.
+
+        Raises:
+            ValueError: a level other than 1 or 2.
+        """
+        if level not in (1, 2):
+            raise ValueError(f"sleep level: got {level!r}, allowed: 1 (KV cache) or 2 (+ weights)")
+        self.runner.release_kv_cache()
+        if level == 2:
+            self.runner.release_model()
+        self._sleep_level = max(self._sleep_level, level)
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    def wake_up(self) -> None:
+        """Undo `sleep`: reload the weights (level 2) and reallocate the KV cache."""
+        if self._sleep_level == 2:
+            self.runner.load_model()
+        if self._sleep_level:
+            self.runner.initialize_kv_cache(self._num_blocks)
+        self._sleep_level = 0
+
+    @property
+    def sleep_level(self) -> int:
+        """0 awake, 1 without KV cache, 2 without KV cache and weights."""
+        return self._sleep_level
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         """Run one step; per-request failures are in `request_errors` afterwards."""

@@ -114,3 +114,21 @@ def test_utilities_pause_resume_and_weight_version(tiny_llama_dir: Path) -> None
         engine.call_utility("pause", "sideways")
     assert engine.call_utility("reset_prefix_cache") is True
     engine.shutdown()
+
+
+def test_sleep_and_wake_up(tiny_llama_dir: Path) -> None:
+    engine = LLMEngine(_config(tiny_llama_dir), executor_class=NullExecutor)
+    engine.add_request("busy", {"prompt_token_ids": [5] * 4}, SamplingParams(max_tokens=50, ignore_eos=True))
+    engine.step()
+    with pytest.raises(ValueError, match="1 requests are in flight"):
+        engine.call_utility("sleep", 1)
+    engine.abort_request(["busy"])
+    engine.call_utility("sleep", 2)
+    assert engine.call_utility("is_sleeping") == 2
+    engine.add_request("later", {"prompt_token_ids": [5] * 4}, SamplingParams(max_tokens=2, ignore_eos=True))
+    assert engine.step() == []  # held while asleep
+    engine.call_utility("wake_up")
+    assert len(_run(engine)["later"]) == 2
+    with pytest.raises(ValueError, match="sleep level"):
+        engine.call_utility("sleep", 3)
+    engine.shutdown()

@@ -141,3 +141,14 @@ def test_mp_executor_tensor_parallel_matches_transformers(tp: int, tiny_qwen2_di
              **SMALL) as llm:
         outputs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
     assert _token_ids(outputs) == expected
+
+
+@pytest.mark.slow
+def test_sleep_wake_up_keeps_outputs(tiny_llama_dir: Path) -> None:
+    with LLM(str(tiny_llama_dir), **SMALL) as llm:
+        before = _token_ids(llm.generate(PROMPTS, GREEDY, use_tqdm=False))
+        llm.sleep(2)
+        llm.wake_up()
+        after = _token_ids(llm.generate(PROMPTS, GREEDY, use_tqdm=False))
+        assert llm.reset_prefix_cache()
+    assert before == after

@@ -100,6 +100,8 @@ class MultiprocExecutor(Executor):
         RingTimeoutError: a worker did not attach to the rings in time.
     """
 
+    null_model = False  # NullMultiprocExecutor serves NullWorkers
+
     def __init__(self, config: EngineConfig) -> None:
         super().__init__(config)
         self.world_size = config.parallel_config.tensor_parallel_size
@@ -144,7 +146,7 @@ class MultiprocExecutor(Executor):
             self._lifelines.append(lifeline)
             spec = WorkerSpec(
                 self.config, rank, rank, init_method, self._sched.name, self._outs[rank].name,
-                os.getpid(), lifeline.child_fd,
+                os.getpid(), lifeline.child_fd, self.null_model,
             )
             future: Future[subprocess.Popen[bytes]] = Future()
             thread = threading.Thread(

@@ -1,10 +1,12 @@
-"""A null-model executor: steps return at once with made-up tokens.
+"""A null model: steps return at once with made-up tokens.
 
 Measures the engine's own overhead (schedule, IPC, update, output) without a model, as the
 throughput benchmark's engine-overhead run needs, and drives engine tests that only care about
-scheduling. It keeps just enough per-request state to know when a prompt is fully computed,
-and "samples" a deterministic token from the request id and position (never an EOS id below
-`first_token_id`).
+scheduling. `NullModel` keeps just enough per-request state to know when a prompt is fully
+computed and "samples" a deterministic token from the request id and position (never an id
+below `first_token_id`, so never an EOS of the tiny models). It runs in process
+(`NullExecutor`) or inside the mp executor's worker processes (`NullWorker` through
+`NullMultiprocExecutor`), so the null-model runs can include the rings.
 """
 
 from __future__ import annotations
@@ -15,42 +17,28 @@ from typing import Any
 
 from ringserve.config import EngineConfig
 from ringserve.gpu.executor.base import Executor
+from ringserve.gpu.executor.multiproc import MultiprocExecutor
 from ringserve.gpu.wire import ModelRunnerOutput, SchedulerOutput
 
 DEFAULT_NUM_BLOCKS = 4096
+FIRST_TOKEN_ID = 16
 
 
-class NullExecutor(Executor):
-    """Answers every step immediately; tokens are a hash of (request id, position).
+class NullModel:
+    """The step logic: one token for each request whose prompt is now computed."""
 
-    Args:
-        config: the engine config (`num_gpu_blocks_override` sets the block count).
-    """
-
-    first_token_id = 16
-
-    def __init__(self, config: EngineConfig) -> None:
-        super().__init__(config)
+    def __init__(self, vocab_size: int) -> None:
         self._num_tokens: dict[str, int] = {}  # request id -> prompt + output tokens known
         self._seed: dict[str, int] = {}
+        self._span = max(1, vocab_size - FIRST_TOKEN_ID)
         self.steps = 0
 
-    def determine_num_blocks(self) -> int:
-        return self.config.cache_config.num_gpu_blocks_override or DEFAULT_NUM_BLOCKS
-
-    def initialize_kv_cache(self, num_blocks: int) -> None:
-        self.num_blocks = num_blocks
-
-    def _submit_step(self, scheduler_output: SchedulerOutput) -> Future[ModelRunnerOutput]:
-        future: Future[ModelRunnerOutput] = Future()
-        future.set_result(self.run_step(scheduler_output))
-        return future
-
     def run_step(self, so: SchedulerOutput) -> ModelRunnerOutput:
-        """The step's output: one token for each request whose prompt is now computed."""
+        """The step's output."""
         self.steps += 1
         for rid in so.finished_req_ids:
             self._num_tokens.pop(rid, None)
+            self._seed.pop(rid, None)
         for rid in so.preempted_req_ids:
             self._num_tokens.pop(rid, None)
         computed: dict[str, int] = {}
@@ -62,25 +50,90 @@ class NullExecutor(Executor):
             if cached.resumed_from_preemption:
                 self._num_tokens[cached.req_id] = len(cached.all_token_ids)
             computed[cached.req_id] = cached.num_computed_tokens
-        vocab = self.config.model_config.vocab_size
-        span = max(1, vocab - self.first_token_id)
         req_ids = list(so.num_scheduled_tokens)
         sampled: list[list[int]] = []
         for rid in req_ids:
             known = self._num_tokens.get(rid, 0)
             if computed.get(rid, 0) + so.num_scheduled_tokens[rid] >= known:
-                token = self.first_token_id + (self._seed.get(rid, 0) + 31 * known) % span
+                token = FIRST_TOKEN_ID + (self._seed.get(rid, 0) + 31 * known) % self._span
                 self._num_tokens[rid] = known + 1
                 sampled.append([token])
             else:
                 sampled.append([])
         return ModelRunnerOutput(step_id=so.step_id, req_ids=req_ids, sampled_token_ids=sampled)
 
+    def clear(self) -> None:
+        """Forget every request."""
+        self._num_tokens.clear()
+        self._seed.clear()
+
+
+class NullExecutor(Executor):
+    """Answers every step immediately, in process.
+
+    Args:
+        config: the engine config (`num_gpu_blocks_override` sets the block count).
+    """
+
+    def __init__(self, config: EngineConfig) -> None:
+        super().__init__(config)
+        self.model = NullModel(config.model_config.vocab_size)
+
+    def determine_num_blocks(self) -> int:
+        return self.config.cache_config.num_gpu_blocks_override or DEFAULT_NUM_BLOCKS
+
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        self.num_blocks = num_blocks
+
+    def _submit_step(self, scheduler_output: SchedulerOutput) -> Future[ModelRunnerOutput]:
+        future: Future[ModelRunnerOutput] = Future()
+        future.set_result(self.model.run_step(scheduler_output))
+        return future
+
     def collective_rpc(self, method: str, args: tuple[Any, ...] = ()) -> list[Any]:
+        if method in ("sleep", "wake_up"):  # nothing to free or restore
+            return [None]
         raise ValueError(f"the null executor has no workers to call {method!r} on")
 
     def check_health(self) -> None:
         return None
 
     def shutdown(self) -> None:
-        self._num_tokens.clear()
+        self.model.clear()
+
+
+class NullWorker:
+    """The `Worker` interface over a `NullModel` (runs in an mp worker process)."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.model = NullModel(config.model_config.vocab_size)
+
+    def init_device(self) -> None:
+        """Nothing to select."""
+
+    def load_model(self) -> None:
+        """Nothing to load."""
+
+    def determine_num_blocks(self) -> int:
+        """`num_gpu_blocks_override`, else DEFAULT_NUM_BLOCKS."""
+        return self.config.cache_config.num_gpu_blocks_override or DEFAULT_NUM_BLOCKS
+
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        """Nothing to allocate."""
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        """The null step."""
+        return self.model.run_step(scheduler_output)
+
+    def sleep(self, level: int) -> None:
+        """Nothing to free."""
+
+    def wake_up(self) -> None:
+        """Nothing to restore."""
+
+
+class NullMultiprocExecutor(MultiprocExecutor):
+    """The mp executor with `NullWorker`s: the rings and processes, without a model."""
+
+    null_model = True

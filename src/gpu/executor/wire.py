@@ -63,6 +63,7 @@ class WorkerSpec(msgspec.Struct, frozen=True):
         out_ring: this rank's response ring's segment name.
         parent_pid: the executor's pid (the worker exits if its parent is not this pid).
         lifeline_fd: the inherited read end of the lifeline pipe.
+        null_model: serve a `NullWorker` (engine-overhead benchmark) instead of the model.
     """
 
     config: EngineConfig
@@ -73,6 +74,7 @@ class WorkerSpec(msgspec.Struct, frozen=True):
     out_ring: str
     parent_pid: int
     lifeline_fd: int
+    null_model: bool = False
 
 
 class RpcRequest(msgspec.Struct, array_like=True, gc=False):

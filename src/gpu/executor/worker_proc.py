@@ -123,12 +123,18 @@ def serve(spec: WorkerSpec) -> None:
     out = RingWriter.attach(spec.out_ring)
     try:
         _limit_cpu_threads(spec)
-        from ringserve.gpu.worker import Worker
+        worker: Any
+        if spec.null_model:
+            from ringserve.gpu.executor.null import NullWorker
 
-        worker = Worker(
-            spec.config, rank=spec.rank, local_rank=spec.local_rank,
-            distributed_init_method=spec.distributed_init_method,
-        )
+            worker = NullWorker(spec.config)
+        else:
+            from ringserve.gpu.worker import Worker
+
+            worker = Worker(
+                spec.config, rank=spec.rank, local_rank=spec.local_rank,
+                distributed_init_method=spec.distributed_init_method,
+            )
         WorkerLoop(worker, spec.rank, sched, out).run()
     finally:
         out.close()
