@@ -45,7 +45,8 @@ def paged_attention(
     qsl, lens = meta.query_start_loc_cpu, meta.seq_lens_cpu
     decodes = [i for i in range(len(lens)) if qsl[i + 1] - qsl[i] == 1]
     if len(decodes) > 1:
-        _batched_decode(query, kv_cache, meta, scale, decodes, out)
+        for group in _length_groups(decodes, lens):
+            _batched_decode(query, kv_cache, meta, scale, group, out)
     done = set(decodes) if len(decodes) > 1 else set()
     for i, seq_len in enumerate(lens):
         start, end = qsl[i], qsl[i + 1]
@@ -58,6 +59,27 @@ def paged_attention(
         q = query[start:end].transpose(0, 1)
         out[start:end] = _attend(q, k.to(q.dtype), v.to(q.dtype), seq_len, scale).transpose(0, 1)
     return out
+
+
+# A padded decode call costs about this many key positions of work in fixed overhead; a group
+# is split when the padding it would save is worth more than one more call.
+_CALL_COST_KEYS = 2048
+
+
+def _length_groups(rows: list[int], lens: list[int]) -> list[list[int]]:
+    """Split decode rows into groups of similar sequence length (less padding per call)."""
+    order = sorted(rows, key=lambda i: lens[i])
+    groups: list[list[int]] = [[]]
+    for i in order:
+        group = groups[-1]
+        if group:
+            # Work if i joins (everyone padded to lens[i]) vs. starting a new group.
+            waste = (lens[i] - lens[group[-1]]) * len(group)
+            if waste > _CALL_COST_KEYS:
+                groups.append([i])
+                continue
+        group.append(i)
+    return groups
 
 
 def _batched_decode(
