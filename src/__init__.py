@@ -1,12 +1,13 @@
 """ringserve: an LLM inference and serving engine on trio and lock-free shared-memory rings.
 
 Public API (more arrives as the engine is built; see README.md for what exists today):
-`LLM`, `LLMEngine`, `SamplingParams`, `RequestOutputKind`, `RequestOutput`, `CompletionOutput`,
+`LLM`, `LLMEngine`, `AsyncLLM`, `SamplingParams`, `RequestOutputKind`, `RequestOutput`, `CompletionOutput`,
 `EngineArgs`.
 Importing `ringserve` imports neither torch nor transformers.
 """
 
 from ringserve.engine.arg_utils import EngineArgs
+from ringserve.engine.async_llm import AsyncLLM
 from ringserve.engine.llm import LLM
 from ringserve.engine.llm_engine import LLMEngine
 from ringserve.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
@@ -16,6 +17,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "LLM",
+    "AsyncLLM",
     "CompletionOutput",
     "EngineArgs",
     "LLMEngine",

@@ -44,6 +44,12 @@ def _bench_throughput(ns: argparse.Namespace) -> int:
     return bench_throughput.main(list(ns.passthrough))
 
 
+def _bench_frontend(ns: argparse.Namespace) -> int:
+    from ringserve.engine import bench_frontend
+
+    return bench_frontend.main(list(ns.passthrough))
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The top-level parser with every subcommand."""
     from ringserve import __version__
@@ -74,6 +80,10 @@ def build_parser() -> argparse.ArgumentParser:
         "throughput", add_help=False,
         help="LLM.generate vs transformers on the fixed workload; null-model engine overhead")
     throughput.set_defaults(handler=_bench_throughput, passthrough_ok=True)
+    frontend = bench_sub.add_parser(
+        "frontend", add_help=False,
+        help="detokenize + stop check + collector per token vs re-decoding each step")
+    frontend.set_defaults(handler=_bench_frontend, passthrough_ok=True)
     return parser
 
 

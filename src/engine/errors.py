@@ -20,3 +20,12 @@ class EngineDeadError(RingserveError):
 
 class EngineStartupError(RingserveError):
     """An engine core failed to start; the message is the core's own reason."""
+
+
+class QueueOverflowError(RingserveError):
+    """Admission control: too many requests in flight (`max_num_queued_reqs`); HTTP 503."""
+
+
+class MaxQueuedTokensError(RingserveError):
+    """Admission control: too many prompt tokens waiting for prefill
+    (`max_num_queued_tokens`); HTTP 503."""

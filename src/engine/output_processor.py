@@ -49,6 +49,7 @@ class RequestState:
         self.num_cached_tokens = 0
         self.finish_reason: FinishReason | None = None
         self.stop_reason: int | str | None = None
+        self.prefilling = True  # until the first token (admission: queued prompt tokens)
         self._sent_prompt_logprobs = False
 
     def apply(self, out: EngineCoreOutput) -> bool:
@@ -143,6 +144,8 @@ class OutputProcessor:
         self.tokenizer = tokenizer
         self.request_states: dict[str, RequestState] = {}
         self.parent_requests: dict[str, ParentRequest] = {}
+        # Prompt tokens of tracked requests that have not produced a token yet.
+        self.num_prefill_tokens = 0
 
     def add_request(
         self,
@@ -161,19 +164,42 @@ class OutputProcessor:
             raise ValueError(f"request_id {request.request_id!r} is already in flight")
         self.request_states[request.request_id] = RequestState(
             request, prompt, self.tokenizer, parent, index, queue)
+        self.num_prefill_tokens += len(request.prompt_token_ids)
         if parent is not None:
             self.parent_requests[parent.request_id] = parent
 
-    def abort_requests(self, request_ids: list[str]) -> list[str]:
-        """Stop tracking requests (parents expand to their children); returns core ids."""
+    def abort_requests(self, request_ids: list[str], notify: bool = False) -> list[str]:
+        """Stop tracking requests (parents expand to their children); returns core ids.
+
+        Args:
+            request_ids: user request ids (or child ids).
+            notify: put a final output with finish reason "abort" in each request's queue.
+        """
         core_ids: list[str] = []
         for rid in request_ids:
-            parent = self.parent_requests.pop(rid, None)
+            parent = self.parent_requests.get(rid)
             ids = list(parent.child_ids) if parent is not None else [rid]
             for cid in ids:
-                if self.request_states.pop(cid, None) is not None:
-                    core_ids.append(cid)
+                state = self.request_states.get(cid)
+                if state is None:
+                    continue
+                core_ids.append(cid)
+                state.finish_reason = FinishReason.ABORT
+                output = self._make_output(state, []) if notify else None
+                self._forget(state)
+                if output is not None and state.queue is not None:
+                    state.queue.put(output)
+            self.parent_requests.pop(rid, None)
         return core_ids
+
+    def propagate_error(self, error: BaseException) -> None:
+        """Fail every tracked request with `error` (engine death); forget them all."""
+        for state in list(self.request_states.values()):
+            if state.queue is not None:
+                state.queue.put(error)
+        self.request_states.clear()
+        self.parent_requests.clear()
+        self.num_prefill_tokens = 0
 
     def has_unfinished_requests(self) -> bool:
         """True while any request is tracked."""
@@ -196,6 +222,8 @@ class OutputProcessor:
                 continue
             if state.apply(out):
                 result.reqs_to_abort.append(out.request_id)
+            if out.new_token_ids:
+                self._end_prefill(state)
             request_output = self._make_output(state, out.new_token_ids)
             if state.finished:
                 self._forget(state)
@@ -206,6 +234,11 @@ class OutputProcessor:
             else:
                 result.request_outputs.append(request_output)
         return result
+
+    def _end_prefill(self, state: RequestState) -> None:
+        if state.prefilling:
+            state.prefilling = False
+            self.num_prefill_tokens -= len(state.prompt_token_ids)
 
     def _make_output(self, state: RequestState, new_token_ids: list[int]) -> RequestOutput | None:
         completion = state.completion(new_token_ids)
@@ -231,6 +264,7 @@ class OutputProcessor:
 
     def _forget(self, state: RequestState) -> None:
         del self.request_states[state.request_id]
+        self._end_prefill(state)
         parent = state.parent
         if parent is not None and parent.all_finished:
             self.parent_requests.pop(parent.request_id, None)

@@ -1,0 +1,343 @@
+"""Async (trio) clients of engine-core processes: `AsyncMPClient` and `DPLBAsyncMPClient`.
+
+Used by `AsyncLLM`. The client binds a ROUTER for requests (routing ids `core<i>`) and a PULL
+for outputs, launches `data_parallel_size` core processes (`mp_client.CoreProcess`) and waits
+for their handshakes off the event loop. zmq sockets are driven from trio without threads: a
+socket's FD is edge-triggered, so a task retries its non-blocking call and, on EAGAIN, checks
+`zmq.EVENTS` before parking in `trio.lowlevel.wait_readable(sock.FD)`. The output socket is
+read by one task only; sends (from any task) are single non-blocking calls serialized by a lock
+when they must wait. A core's death is seen at once through a pidfd.
+
+`DPLBAsyncMPClient` spreads requests over N cores: each new request goes to the core with the
+lowest `4 * waiting + running`, from the scheduler stats each core publishes with its outputs
+plus the requests sent to it since; aborts go to the owning core, utility calls to all.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import shutil
+import tempfile
+from typing import Any
+
+import msgspec
+import trio
+import zmq
+
+from ringserve import envs
+from ringserve.config import EngineConfig
+from ringserve.engine.core_proc import DEAD_CALL_ID, HandshakeReply
+from ringserve.engine.errors import EngineDeadError, EngineStartupError
+from ringserve.engine.mp_client import CoreProcess
+from ringserve.engine.wire import (
+    AbortRequests,
+    AddRequest,
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    UtilityCall,
+)
+from ringserve.serial import MsgpackDecoder, MsgpackEncoder
+
+
+def _events(sock: zmq.Socket[Any]) -> int:
+    """The socket's pending events; reading them also lets zmq process its commands."""
+    return int(sock.getsockopt(zmq.EVENTS))
+
+
+def _fd(sock: zmq.Socket[Any]) -> int:
+    """The socket's edge-triggered notification FD."""
+    return int(sock.getsockopt(zmq.FD))
+
+
+class AsyncMPClient:
+    """A trio client of one or more engine-core processes.
+
+    Create with `await AsyncMPClient.create(config)`; call `shutdown()` when done.
+
+    Args:
+        config: the engine configuration (`data_parallel_size` cores are started).
+        executor: "default", "null" or "null-mp" (see `mp_client.CoreProcess`).
+    """
+
+    def __init__(self, config: EngineConfig, executor: str = "default") -> None:
+        self.config = config
+        self.num_engines = config.parallel_config.data_parallel_size
+        self.ctx = zmq.Context(io_threads=1)
+        self._dir = tempfile.mkdtemp(prefix="ringserve-zmq-")
+        self.input_sock = self.ctx.socket(zmq.ROUTER)
+        self.input_sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        self.input_sock.setsockopt(zmq.LINGER, 0)
+        self.output_sock = self.ctx.socket(zmq.PULL)
+        self.output_sock.setsockopt(zmq.LINGER, 0)
+        self.input_addr = f"ipc://{self._dir}/input"
+        self.output_addr = f"ipc://{self._dir}/output"
+        self.input_sock.bind(self.input_addr)
+        self.output_sock.bind(self.output_addr)
+        self._executor = executor
+        self._encoder = MsgpackEncoder()
+        self._decoder = MsgpackDecoder(EngineCoreOutputs)
+        self._send_lock = trio.Lock()
+        self._call_ids = itertools.count(1)
+        self._calls: dict[int, tuple[trio.Event, list[Any]]] = {}
+        self.processes: list[CoreProcess] = []
+        self.dead: str | None = None
+        self._closed = False
+        self.num_blocks = 0
+        self.max_model_len = config.model_config.max_model_len
+
+    @classmethod
+    async def create(cls, config: EngineConfig, executor: str = "default") -> AsyncMPClient:
+        """Start the core processes and wait (off the event loop) for their handshakes.
+
+        Raises:
+            EngineStartupError: a core failed to start; the message is its reason.
+        """
+        client = cls(config, executor)
+        try:
+            await trio.to_thread.run_sync(client._start_cores)
+        except BaseException:
+            client.shutdown()
+            raise
+        return client
+
+    def _start_cores(self) -> None:
+        for index in range(self.num_engines):
+            self.processes.append(CoreProcess(self.config, index, self.input_addr,
+                                              self.output_addr, self._executor))
+        ready: set[int] = set()
+        timeout_ms = int(envs.engine_ready_timeout_s() * 1000)
+        waited = 0
+        while len(ready) < self.num_engines:
+            if self.output_sock.poll(100):
+                reply = msgspec.msgpack.decode(self.output_sock.recv(), type=HandshakeReply)
+                if not reply.ready:
+                    raise EngineStartupError(f"engine core failed to start: {reply.error}")
+                ready.add(len(ready))
+                self.num_blocks = reply.num_blocks
+                continue
+            waited += 100
+            for proc in self.processes:
+                if proc.exited.is_set():
+                    raise EngineStartupError(
+                        f"engine core {proc.engine_index} {proc.describe_exit()} before it was "
+                        "ready (its stderr above says why)")
+            if waited >= timeout_ms:
+                raise EngineStartupError("engine cores did not become ready within "
+                                         f"{timeout_ms / 1000:.0f} s")
+
+    # -- routing -------------------------------------------------------------------------------
+
+    def choose_engine(self, request: EngineCoreRequest) -> int:
+        """The core a new request goes to (one core: always 0)."""
+        return 0
+
+    def engine_of(self, request_id: str) -> int | None:
+        """The core that owns a request (None: all cores may)."""
+        return 0
+
+    def request_finished(self, request_id: str) -> None:
+        """Forget routing state of a finished or aborted request."""
+
+    def record_stats(self, outputs: EngineCoreOutputs) -> None:
+        """Take note of a core's published stats."""
+
+    # -- sending -------------------------------------------------------------------------------
+
+    def _check_alive(self) -> None:
+        if self.dead is not None:
+            raise EngineDeadError(self.dead)
+
+    def send_nowait(self, engine: int, message: Any) -> bool:
+        """One non-blocking send; False when the socket would block (HWM reached)."""
+        self._check_alive()
+        frames = [f"core{engine}".encode(), *self._encoder.encode(message)]
+        try:
+            self.input_sock.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
+        except zmq.Again:
+            return False
+        except zmq.ZMQError as exc:
+            self.mark_dead(f"cannot reach engine core {engine}: {exc}")
+            self._check_alive()
+        return True
+
+    async def send(self, engine: int, message: Any) -> None:
+        """Send, waiting for room when the socket is full."""
+        while not self.send_nowait(engine, message):
+            async with self._send_lock:
+                while not _events(self.input_sock) & zmq.POLLOUT:
+                    await trio.lowlevel.wait_writable(_fd(self.input_sock))
+
+    async def add_request(self, request: EngineCoreRequest) -> None:
+        """Route and send a new request."""
+        await self.send(self.choose_engine(request), AddRequest(request))
+
+    def abort_requests_nowait(self, request_ids: list[str]) -> bool:
+        """Send aborts without waiting (usable from cancelled code); False if it would block."""
+        if not request_ids or self.dead is not None:
+            return True
+        by_engine: dict[int | None, list[str]] = {}
+        for rid in request_ids:
+            by_engine.setdefault(self.engine_of(rid), []).append(rid)
+            self.request_finished(rid)
+        sent = True
+        for engine, ids in by_engine.items():
+            targets = range(self.num_engines) if engine is None else (engine,)
+            for target in targets:
+                sent = self.send_nowait(target, AbortRequests(ids)) and sent
+        return sent
+
+    async def abort_requests(self, request_ids: list[str]) -> None:
+        """Send aborts to the owning cores."""
+        if not self.abort_requests_nowait(request_ids):
+            await trio.lowlevel.checkpoint()
+            for engine in range(self.num_engines):
+                await self.send(engine, AbortRequests(request_ids))
+
+    async def call_utility(self, method: str, *args: Any) -> list[Any]:
+        """Call a utility on every core; results in core order.
+
+        Raises:
+            ValueError: a core reported the call failed.
+            EngineDeadError: the engine died meanwhile.
+        """
+        call_id = next(self._call_ids)
+        event, results = trio.Event(), list[Any]()
+        self._calls[call_id] = (event, results)
+        try:
+            for engine in range(self.num_engines):
+                await self.send(engine, UtilityCall(call_id, method, list(args)))
+            while len(results) < self.num_engines:
+                await event.wait()
+                event = trio.Event()
+                self._calls[call_id] = (event, results)
+                self._check_alive()
+        finally:
+            self._calls.pop(call_id, None)
+        ordered = sorted(results, key=lambda item: item[0])
+        for _engine, failure, _value in ordered:
+            if failure is not None:
+                raise ValueError(failure)
+        return [value for _engine, _failure, value in ordered]
+
+    # -- receiving -----------------------------------------------------------------------------
+
+    async def get_output(self) -> EngineCoreOutputs:
+        """The next batch of request outputs (utility answers are dispatched here).
+
+        Raises:
+            EngineDeadError: a core died or sent its dead notice.
+        """
+        sock = self.output_sock
+        while True:
+            self._check_alive()
+            try:
+                frames = sock.recv_multipart(flags=zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                if not _events(sock) & zmq.POLLIN:
+                    await trio.lowlevel.wait_readable(_fd(sock))
+                continue
+            outputs = self._decoder.decode([f.buffer for f in frames])
+            if outputs.utility_output is not None:
+                self._dispatch_utility(outputs)  # a dead notice: the next turn raises
+                if not outputs.outputs:
+                    continue
+            self.record_stats(outputs)
+            return outputs
+
+    def _dispatch_utility(self, outputs: EngineCoreOutputs) -> None:
+        utility = outputs.utility_output
+        if utility is None:
+            return
+        if utility.call_id == DEAD_CALL_ID:
+            self.mark_dead(f"engine core {outputs.engine_index} failed: {utility.failure_message}")
+            return
+        waiter = self._calls.get(utility.call_id)
+        if waiter is not None:
+            waiter[1].append((outputs.engine_index, utility.failure_message, utility.result))
+            waiter[0].set()
+
+    async def watch_cores(self) -> None:
+        """Return (after marking the engine dead) as soon as any core process exits."""
+        fds = [os.pidfd_open(proc.pid) for proc in self.processes]
+        try:
+            async with trio.open_nursery() as nursery:
+                done = trio.Event()
+
+                async def wait_one(fd: int, proc: CoreProcess) -> None:
+                    await trio.lowlevel.wait_readable(fd)
+                    await trio.to_thread.run_sync(proc.exited.wait)
+                    if not self._closed:
+                        self.mark_dead(f"engine core {proc.engine_index} {proc.describe_exit()}")
+                    done.set()
+
+                for fd, proc in zip(fds, self.processes, strict=True):
+                    nursery.start_soon(wait_one, fd, proc)
+                await done.wait()
+                nursery.cancel_scope.cancel()
+        finally:
+            for fd in fds:
+                os.close(fd)
+
+    def mark_dead(self, reason: str) -> None:
+        """Record that the engine is dead; every later call raises EngineDeadError."""
+        if self.dead is None:
+            self.dead = reason
+        for event, _results in self._calls.values():
+            event.set()
+
+    def shutdown(self) -> None:
+        """Stop the cores and close the sockets; idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        self.mark_dead("the engine was shut down")
+        for proc in self.processes:
+            proc.terminate()
+        self.input_sock.close(linger=0)
+        self.output_sock.close(linger=0)
+        self.ctx.term()
+        shutil.rmtree(self._dir, ignore_errors=True)
+
+
+class DPLBAsyncMPClient(AsyncMPClient):
+    """`AsyncMPClient` over `data_parallel_size` cores with least-loaded routing."""
+
+    def __init__(self, config: EngineConfig, executor: str = "default") -> None:
+        super().__init__(config, executor)
+        # Per core: [waiting, running] from its last published stats.
+        self._stats = [[0, 0] for _ in range(self.num_engines)]
+        # Requests sent to each core since its last stats (counted as waiting).
+        self._sent_since_stats = [0] * self.num_engines
+        self._owner: dict[str, int] = {}
+
+    def choose_engine(self, request: EngineCoreRequest) -> int:
+        if request.data_parallel_rank is not None:
+            engine = request.data_parallel_rank
+            if not 0 <= engine < self.num_engines:
+                raise ValueError(f"data_parallel_rank: got {engine}, allowed: "
+                                 f"0..{self.num_engines - 1}")
+        else:
+            engine = min(range(self.num_engines), key=self._load)
+        self._owner[request.request_id] = engine
+        self._sent_since_stats[engine] += 1
+        return engine
+
+    def _load(self, engine: int) -> int:
+        waiting, running = self._stats[engine]
+        return 4 * (waiting + self._sent_since_stats[engine]) + running
+
+    def engine_of(self, request_id: str) -> int | None:
+        return self._owner.get(request_id)
+
+    def request_finished(self, request_id: str) -> None:
+        self._owner.pop(request_id, None)
+
+    def record_stats(self, outputs: EngineCoreOutputs) -> None:
+        stats = outputs.scheduler_stats
+        if stats is not None and 0 <= outputs.engine_index < self.num_engines:
+            self._stats[outputs.engine_index] = [stats.num_waiting_reqs, stats.num_running_reqs]
+            self._sent_since_stats[outputs.engine_index] = 0
+        if outputs.finished_requests:
+            for rid in outputs.finished_requests:
+                self._owner.pop(rid, None)

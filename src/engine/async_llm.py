@@ -1,0 +1,299 @@
+"""`ringserve.AsyncLLM`: the async (trio) frontend over engine-core processes.
+
+What an HTTP handler talks to. `generate()` validates and tokenizes (long prompts off the event
+loop), applies admission control, sends the request to a core through `AsyncMPClient` (or
+`DPLBAsyncMPClient` for data parallel), and yields RequestOutputs from the request's collector.
+One output-handler task receives every EngineCoreOutputs, processes it in chunks of
+`RINGSERVE_OUTPUT_PROC_CHUNK_SIZE` with a checkpoint between chunks (so 1,000 streams never
+starve other tasks), feeds the collectors and sends stop-string aborts back. Cancelling a
+consumer aborts its request in the core within one step. A dead core fails every pending
+`generate()` with EngineDeadError at once, and new requests fail fast.
+
+Lifecycle: `async with AsyncLLM.from_engine_args(args) as llm:` starts the cores and the
+handler in its own nursery; a server can instead `await nursery.start(llm.run)` to supervise it
+in its root nursery. `shutdown()` stops everything.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+from collections.abc import AsyncIterator
+from typing import Any
+
+import msgspec
+import trio
+
+from ringserve import envs
+from ringserve.config import EngineConfig
+from ringserve.engine.arg_utils import EngineArgs
+from ringserve.engine.async_client import AsyncMPClient, DPLBAsyncMPClient
+from ringserve.engine.collector import RequestOutputCollector
+from ringserve.engine.errors import (
+    EngineDeadError,
+    EngineGenerateError,
+    MaxQueuedTokensError,
+    QueueOverflowError,
+)
+from ringserve.engine.input_processor import InputProcessor, PromptType
+from ringserve.engine.llm_engine import load_tokenizer
+from ringserve.engine.output_processor import OutputProcessor
+from ringserve.engine.parent_request import ParentRequest
+from ringserve.engine.wire import EngineCoreRequest
+from ringserve.outputs import RequestOutput
+from ringserve.sampling_params import SamplingParams
+
+# Text prompts longer than this are tokenized in a worker thread.
+_INLINE_TOKENIZE_CHARS = 2048
+
+
+class AsyncLLM:
+    """An async engine for serving.
+
+    Args:
+        config: the engine configuration.
+        executor: "default", or "null" / "null-mp" (no model; benchmarks and tests).
+    """
+
+    def __init__(self, config: EngineConfig, executor: str = "default") -> None:
+        self.config = config
+        self.tokenizer = load_tokenizer(config)
+        self.input_processor = InputProcessor(config.model_config, self.tokenizer)
+        self.output_processor = OutputProcessor(self.tokenizer)
+        self.max_num_queued_reqs = config.frontend_config.max_num_queued_reqs
+        self.max_num_queued_tokens = config.frontend_config.max_num_queued_tokens
+        self._executor = executor
+        self.client: AsyncMPClient | None = None
+        self._ids = itertools.count()
+        self._stop: trio.CancelScope | None = None
+        self._errored: BaseException | None = None
+        self._nursery_cm: Any = None
+
+    @classmethod
+    def from_engine_args(cls, args: EngineArgs, **kwargs: Any) -> AsyncLLM:
+        """Build the configuration once from `args` (cores start on `run` / `async with`)."""
+        return cls(args.create_engine_config(), **kwargs)
+
+    # -- lifecycle -----------------------------------------------------------------------------
+
+    async def run(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
+        """Start the cores, report ready, then run the output handler until shutdown.
+
+        Returns when `shutdown()` is called; raises EngineDeadError if a core dies (after
+        failing every pending request with it).
+        """
+        client_cls = (DPLBAsyncMPClient if self.config.parallel_config.data_parallel_size > 1
+                      else AsyncMPClient)
+        self.client = await client_cls.create(self.config, self._executor)
+        try:
+            with trio.CancelScope() as self._stop:
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(self._watch_cores, nursery.cancel_scope)
+                    task_status.started()
+                    await self._output_handler()
+        finally:
+            self.client.shutdown()
+        if self._errored is not None:
+            raise self._errored
+
+    async def __aenter__(self) -> AsyncLLM:
+        self._nursery_cm = trio.open_nursery()
+        nursery = await self._nursery_cm.__aenter__()
+        try:
+            await nursery.start(self._run_quietly)
+        except BaseException as exc:
+            await self._nursery_cm.__aexit__(type(exc), exc, exc.__traceback__)
+            raise
+        return self
+
+    async def __aexit__(self, *exc: Any) -> bool | None:
+        self.shutdown()
+        result: bool | None = await self._nursery_cm.__aexit__(*exc)
+        return result
+
+    async def _run_quietly(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
+        # A dead engine has already failed every pending request with EngineDeadError and
+        # fails new ones fast; letting it escape here would cancel the caller's `async with`
+        # body instead.
+        with contextlib.suppress(EngineDeadError):
+            await self.run(task_status=task_status)
+
+    def shutdown(self) -> None:
+        """Stop the output handler and the cores; pending requests get EngineDeadError."""
+        if self.client is not None and self.client.dead is None:
+            self.client.mark_dead("the engine was shut down")
+        self.output_processor.propagate_error(EngineDeadError("the engine was shut down"))
+        if self._stop is not None:
+            self._stop.cancel()
+
+    @property
+    def is_running(self) -> bool:
+        """True while the engine can take requests."""
+        return self.client is not None and self.client.dead is None
+
+    @property
+    def errored(self) -> bool:
+        """True once the engine is dead."""
+        return self.client is not None and self.client.dead is not None
+
+    async def _watch_cores(self, scope: trio.CancelScope) -> None:
+        assert self.client is not None  # set by run()
+        await self.client.watch_cores()
+        self._fail_all(EngineDeadError(self.client.dead or "an engine core died"))
+        scope.cancel()
+
+    def _fail_all(self, error: EngineDeadError) -> None:
+        self._errored = self._errored or error
+        self.output_processor.propagate_error(error)
+
+    # -- output handling -----------------------------------------------------------------------
+
+    async def _output_handler(self) -> None:
+        client = self.client
+        assert client is not None  # set by run()
+        processor = self.output_processor
+        chunk = envs.output_proc_chunk_size()
+        try:
+            while True:
+                outputs = (await client.get_output()).outputs
+                for start in range(0, len(outputs), chunk):
+                    # Yield before every chunk: get_output() does not yield when batches are
+                    # already queued, so without this a backlog would be folded in one go.
+                    await trio.lowlevel.checkpoint()
+                    processed = processor.process_outputs(outputs[start:start + chunk])
+                    if processed.reqs_to_abort:
+                        await client.abort_requests(processed.reqs_to_abort)
+                    for out in outputs[start:start + chunk]:
+                        if out.finish_reason is not None:
+                            client.request_finished(out.request_id)
+        except EngineDeadError as exc:
+            self._fail_all(exc)
+            raise
+
+    # -- requests ------------------------------------------------------------------------------
+
+    def check_admission(self, num_requests: int, num_prompt_tokens: int) -> None:
+        """Refuse a request that would exceed the frontend's queue limits.
+
+        Raises:
+            QueueOverflowError: more than `max_num_queued_reqs` requests would be in flight.
+            MaxQueuedTokensError: more than `max_num_queued_tokens` prompt tokens would wait
+                for prefill.
+        """
+        limit = self.max_num_queued_reqs
+        in_flight = self.output_processor.get_num_unfinished_requests()
+        if limit is not None and in_flight + num_requests > limit:
+            raise QueueOverflowError(
+                f"{in_flight} requests in flight; max_num_queued_reqs is {limit}")
+        token_limit = self.max_num_queued_tokens
+        queued = self.output_processor.num_prefill_tokens
+        if token_limit is not None and queued + num_prompt_tokens > token_limit:
+            raise MaxQueuedTokensError(
+                f"{queued} prompt tokens wait for prefill and this request adds "
+                f"{num_prompt_tokens}; max_num_queued_tokens is {token_limit}")
+
+    async def _process(self, request_id: str, prompt: PromptType, params: SamplingParams,
+                       priority: int, data_parallel_rank: int | None,
+                       ) -> tuple[EngineCoreRequest, str | None]:
+        process = self.input_processor.process
+        if isinstance(prompt, str) and len(prompt) > _INLINE_TOKENIZE_CHARS:
+            return await trio.to_thread.run_sync(
+                lambda: process(request_id, prompt, params, priority=priority,
+                                data_parallel_rank=data_parallel_rank))
+        return process(request_id, prompt, params, priority=priority,
+                       data_parallel_rank=data_parallel_rank)
+
+    async def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams,
+                          *, priority: int = 0, data_parallel_rank: int | None = None,
+                          ) -> RequestOutputCollector:
+        """Validate, admit and send a request; returns its collector.
+
+        Raises:
+            EngineDeadError: the engine is dead.
+            ValueError: the prompt or parameters are invalid.
+            QueueOverflowError, MaxQueuedTokensError: admission control refused it.
+        """
+        client = self._live_client()
+        request, text = await self._process(request_id, prompt, params, priority,
+                                            data_parallel_rank)
+        client = self._live_client()  # it may have died while tokenizing
+        self.check_admission(params.n, params.n * len(request.prompt_token_ids))
+        collector = RequestOutputCollector(params.output_kind)
+        if params.n == 1:
+            self.output_processor.add_request(request, text, queue=collector)
+            await client.add_request(request)
+            return collector
+        parent = ParentRequest(request_id, params)
+        children = [msgspec.structs.replace(request, request_id=cid,
+                                            sampling_params=parent.child_params(i))
+                    for i, cid in enumerate(parent.child_ids)]
+        for index, child in enumerate(children):
+            self.output_processor.add_request(child, text, parent, index, queue=collector)
+        for child in children:
+            await client.add_request(child)
+        return collector
+
+    def _live_client(self) -> AsyncMPClient:
+        client = self.client
+        if client is None:
+            raise EngineDeadError("the engine is not running (use `async with` or run())")
+        if client.dead is not None:
+            raise EngineDeadError(client.dead)
+        return client
+
+    async def generate(self, prompt: PromptType, sampling_params: SamplingParams | None = None,
+                       request_id: str | None = None, *, priority: int = 0,
+                       data_parallel_rank: int | None = None) -> AsyncIterator[RequestOutput]:
+        """Stream a request's outputs (delta, cumulative or final-only per output_kind).
+
+        Leaving the loop early, or cancelling the consuming task, aborts the request.
+
+        Raises:
+            EngineDeadError: the engine died (now or before).
+            EngineGenerateError: this request failed in the engine.
+            ValueError, QueueOverflowError, MaxQueuedTokensError: as `add_request`.
+        """
+        params = sampling_params or SamplingParams()
+        rid = request_id if request_id is not None else f"req-{next(self._ids)}"
+        collector = await self.add_request(rid, prompt, params, priority=priority,
+                                           data_parallel_rank=data_parallel_rank)
+        finished = False
+        try:
+            while not finished:
+                output = await collector.get()
+                finished = output.finished
+                failed = [c for c in output.outputs if c.finish_reason == "error"]
+                if failed:
+                    finished = True
+                    raise EngineGenerateError(f"request {rid!r} failed: {failed[0].stop_reason}")
+                yield output
+        finally:
+            if not finished:
+                self._abort_now([rid])
+
+    def _abort_now(self, request_ids: list[str]) -> None:
+        """Abort without awaiting (works inside a cancelled scope)."""
+        core_ids = self.output_processor.abort_requests(request_ids)
+        client = self.client
+        if core_ids and client is not None and client.dead is None:
+            client.abort_requests_nowait(core_ids)
+
+    async def abort(self, request_id: str | list[str]) -> None:
+        """Abort requests; their streams end with finish reason "abort"."""
+        ids = [request_id] if isinstance(request_id, str) else list(request_id)
+        core_ids = self.output_processor.abort_requests(ids, notify=True)
+        client = self.client
+        if core_ids and client is not None and client.dead is None:
+            await client.abort_requests(core_ids)
+
+    async def call_utility(self, method: str, *args: Any) -> list[Any]:
+        """Call a utility on every engine core; results in core order."""
+        return await self._live_client().call_utility(method, *args)
+
+    async def reset_prefix_cache(self) -> None:
+        """Drop cached prefix blocks on every core."""
+        await self.call_utility("reset_prefix_cache")
+
+    def get_tokenizer(self) -> Any:
+        """The tokenizer."""
+        return self.tokenizer
