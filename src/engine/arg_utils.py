@@ -205,8 +205,7 @@ class EngineArgs:
             raise _fail("distributed_executor_backend", backend,
                         "mp or ray when tensor_parallel_size > 1")
         if backend == "ray":
-            raise _fail("distributed_executor_backend", backend,
-                        "uni or mp (the Ray executor is not built yet)")
+            return "ray"
         return "mp" if backend == "mp" else "uni"
 
     def _verify(self) -> None:

@@ -27,14 +27,15 @@ import zmq
 
 from ringserve import envs
 from ringserve.config import EngineConfig
-from ringserve.engine.core_proc import DEAD_CALL_ID, HandshakeReply
 from ringserve.engine.errors import EngineDeadError, EngineStartupError
 from ringserve.engine.mp_client import CoreProcess
 from ringserve.engine.wire import (
+    DEAD_CALL_ID,
     AbortRequests,
     AddRequest,
     EngineCoreOutputs,
     EngineCoreRequest,
+    HandshakeReply,
     UtilityCall,
 )
 from ringserve.serial import MsgpackDecoder, MsgpackEncoder

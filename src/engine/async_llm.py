@@ -167,8 +167,11 @@ class AsyncLLM:
                         if out.finish_reason is not None:
                             client.request_finished(out.request_id)
         except EngineDeadError as exc:
+            # Fail every pending request now; run() re-raises after the nursery has closed
+            # (raising here would arrive wrapped in an exception group).
             self._fail_all(exc)
-            raise
+            if self._stop is not None:
+                self._stop.cancel()
 
     # -- requests ------------------------------------------------------------------------------
 

@@ -35,28 +35,19 @@ import zmq
 from ringserve.config import EngineConfig
 from ringserve.engine.core import EngineCore
 from ringserve.engine.wire import (
+    DEAD_CALL_ID,
     AbortRequests,
     AddRequest,
     CoreInput,
     EngineCoreOutputs,
     FinishReason,
+    HandshakeReply,
     UtilityCall,
     UtilityOutput,
 )
 from ringserve.gpu.executor.base import Executor
 from ringserve.lifeline import install_lifeline
 from ringserve.serial import MsgpackDecoder, MsgpackEncoder
-
-DEAD_CALL_ID = -1
-
-
-class HandshakeReply(msgspec.Struct, tag="handshake", array_like=True):
-    """The core's first message: ready (with its sizes) or failed (with the reason)."""
-
-    ready: bool
-    num_blocks: int = 0
-    max_model_len: int = 0
-    error: str = ""
 
 
 class _Shutdown(Exception):

@@ -28,13 +28,14 @@ import zmq
 from ringserve import envs
 from ringserve.config import EngineConfig
 from ringserve.engine.core_client import EngineCoreClient
-from ringserve.engine.core_proc import DEAD_CALL_ID, HandshakeReply
 from ringserve.engine.errors import EngineDeadError, EngineStartupError
 from ringserve.engine.wire import (
+    DEAD_CALL_ID,
     AbortRequests,
     AddRequest,
     EngineCoreOutputs,
     EngineCoreRequest,
+    HandshakeReply,
     UtilityCall,
 )
 from ringserve.lifeline import Lifeline

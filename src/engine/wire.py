@@ -17,6 +17,7 @@ from ringserve.gpu.wire import Logprobs
 from ringserve.sampling_params import SamplingParams
 
 __all__ = [
+    "DEAD_CALL_ID",
     "AbortRequests",
     "AddRequest",
     "CoreInput",
@@ -26,6 +27,7 @@ __all__ = [
     "EngineCoreOutputs",
     "EngineCoreRequest",
     "FinishReason",
+    "HandshakeReply",
     "Logprobs",
     "SchedulerStats",
     "UtilityCall",
@@ -157,6 +159,19 @@ class SchedulerStats(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
     num_preemptions: int = 0
     step_counter: int = 0
     current_wave: int = 0
+
+
+# `UtilityOutput.call_id` of a core's dead notice (an engine fault; the core exits next).
+DEAD_CALL_ID = -1
+
+
+class HandshakeReply(msgspec.Struct, tag="handshake", array_like=True):
+    """Core -> frontend, first message: ready (with its sizes) or failed (with the reason)."""
+
+    ready: bool
+    num_blocks: int = 0
+    max_model_len: int = 0
+    error: str = ""
 
 
 class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
