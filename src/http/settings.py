@@ -1,0 +1,76 @@
+"""HTTP-server settings and the server's shared state (readiness, draining, in-flight count).
+
+`ServeSettings` is the frozen serving layer of the configuration, built once by
+`ringserve serve` from its flags (next to the EngineConfig built from the engine flags).
+`ServerState` is the one mutable object the app and the server share: the server marks the
+engine ready and, on SIGTERM/SIGINT, draining; the routes refuse new work while draining
+(503), count the requests in flight, and `/health` answers 200 only when ready, not draining
+and the engine is alive.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import trio
+
+DEFAULT_MAX_REQUEST_BODY_BYTES = 16 << 20
+
+
+@dataclass(frozen=True)
+class ServeSettings:
+    """What the HTTP layer needs beyond the engine configuration.
+
+    Attributes:
+        host, port: where to listen (default 127.0.0.1:8000).
+        served_model_name: the model name clients send and `/v1/models` lists.
+        api_key: required as `Authorization: Bearer <key>` on every `/v1` route (None: open).
+        admin_api_key: required on the control routes (/sleep, /wake_up, /pause, /resume,
+            /reset_prefix_cache); None: those routes are refused (403).
+        chat_template: a Jinja chat template overriding the tokenizer's (text, not a path).
+        max_request_body_bytes: larger bodies get 413.
+        shutdown_timeout: seconds in-flight requests may take to finish after SIGTERM.
+        certfile, keyfile: TLS (h2 by ALPN) when both are given.
+        enable_log_requests: log one line per request.
+    """
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    served_model_name: str = "ringserve-demo"
+    api_key: str | None = None
+    admin_api_key: str | None = None
+    chat_template: str | None = None
+    max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES
+    shutdown_timeout: float = 30.0
+    certfile: str | None = None
+    keyfile: str | None = None
+    enable_log_requests: bool = False
+
+
+@dataclass
+class ServerState:
+    """Mutable state shared by the server task and the routes (all on one trio loop).
+
+    Attributes:
+        ready: the engine finished starting (its handshake came back).
+        draining: a shutdown began: new requests get 503, in-flight ones finish.
+        in_flight: requests being served now (generation routes).
+        idle: set whenever `in_flight` drops to zero (the drain waits on it).
+    """
+
+    ready: bool = False
+    draining: bool = False
+    in_flight: int = 0
+    idle: trio.Event = field(default_factory=trio.Event)
+
+    def enter(self) -> None:
+        """A generation request starts."""
+        self.in_flight += 1
+        if self.idle.is_set():
+            self.idle = trio.Event()
+
+    def leave(self) -> None:
+        """A generation request ends (however it ends)."""
+        self.in_flight -= 1
+        if self.in_flight == 0:
+            self.idle.set()
