@@ -7,6 +7,8 @@
 | RINGSERVE_ENGINE_READY_TIMEOUT_S | 600 | seconds a frontend waits for a core's start-up handshake |
 | RINGSERVE_OUTPUT_PROC_CHUNK_SIZE | 128 | outputs the async output handler processes between yields |
 | RINGSERVE_EXECUTOR_RING_BYTES | 16777216 | data bytes of each mp-executor ring (a power of two) |
+| RINGSERVE_RAY_TMPDIR | (a fresh temp dir) | Ray's temp dir when the ray executor starts Ray itself |
+| RINGSERVE_API_KEY | (unset: open) | `ringserve serve`'s API key when `--api-key` is not given |
 """
 
 from __future__ import annotations
@@ -70,3 +72,22 @@ def executor_ring_bytes() -> int:
     if value & (value - 1):
         raise ValueError(f"RINGSERVE_EXECUTOR_RING_BYTES: got {value}, allowed: a power of two")
     return value
+
+
+def ray_tmpdir() -> Path | None:
+    """RINGSERVE_RAY_TMPDIR: Ray's temp dir (sessions, sockets, logs) for a local Ray it starts.
+
+    Unset: the ray executor creates a fresh directory under the system temp dir and removes it
+    after Ray has stopped. Set: Ray uses this directory (created if missing) and its session
+    logs stay there. Unix socket paths inside it must fit in 107 bytes, so keep it short.
+    """
+    raw = os.environ.get("RINGSERVE_RAY_TMPDIR")
+    return Path(raw) if raw else None
+
+
+def api_key() -> str | None:
+    """RINGSERVE_API_KEY: the key every `/v1` route requires when `--api-key` is not given.
+
+    Unset or empty: the server is open (as vLLM with no `--api-key`).
+    """
+    return os.environ.get("RINGSERVE_API_KEY") or None

@@ -40,7 +40,11 @@ class Executor(ABC):
             from ringserve.gpu.executor.multiproc import MultiprocExecutor
 
             return MultiprocExecutor
-        raise ValueError(f"distributed_executor_backend {backend!r} is not available yet; use uni or mp")
+        if backend == "ray":
+            from ringserve.gpu.executor.ray_executor import RayExecutor
+
+            return RayExecutor
+        raise ValueError(f"distributed_executor_backend {backend!r} is unknown; use uni, mp or ray")
 
     @property
     def max_concurrent_batches(self) -> int:

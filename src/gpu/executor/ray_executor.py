@@ -1,0 +1,500 @@
+"""The Ray executor: one Ray actor per TP rank, possibly on other machines, driven over zmq/TCP.
+
+Ray places and supervises the workers; it is not the data path. `RayExecutor` binds a ROUTER
+socket (steps, utility calls, shutdown, to each rank) and a PULL socket (every rank's replies)
+on this node's IP, starts `tensor_parallel_size` actors of `ray_worker.RayWorker` (``num_gpus=1``
+each when the device is CUDA, a tenth of a CPU otherwise), hands each its addresses and the
+`EngineConfig` as msgpack bytes, and starts every actor's long-running `run` task. Each actor
+connects back, says hello, builds its `Worker` (TP > 1: torch.distributed at rank 0's node IP
+and a port free there; gloo on CPU, NCCL on CUDA) and serves until the shutdown message. The
+framing and the message kinds are `ray_worker`'s and `wire.py`'s; no pickle crosses zmq, and
+Ray's own call arguments are plain strings, ints, bools and bytes.
+
+Books and faults are `pending.Pending`'s, as in the mp executor: steps complete in submission
+order from rank 0's outputs, calls once every rank replied. A monitor thread waits
+(`ray.wait`) on the actors' `run` tasks: an actor's death (`ray.kill`, a crashed process, a
+lost node) fails every pending step and call at once with `WorkerDiedError`, and
+`check_health()` raises from then on.
+
+Which Ray: with ``RAY_ADDRESS`` set (``auto`` or ``host:port``; not Ray Client's ``ray://``)
+the executor joins that cluster under Ray's usual rules (a token-auth cluster needs
+``RAY_AUTH_MODE=token`` and its token in ``RAY_AUTH_TOKEN`` or ``~/.ray/auth_token``) and only
+disconnects on shutdown; if this process already called `ray.init`, it uses that session and
+leaves it alone; otherwise it starts a private Ray on 127.0.0.1 (`_loopback_only`; dashboard
+off, usage stats off, token auth with a per-process token so nothing is written to ~/.ray)
+whose temp dir is ``RINGSERVE_RAY_TMPDIR`` or a fresh directory it removes afterwards, and
+stops it when the last executor using it shuts down. Every node must have ringserve
+importable by the same Python, and this node's executor ports reachable from the workers'.
+
+Supervision is Ray's: actors die with their owner (this process), and a private Ray's
+processes share this process's fate. Known Ray behaviour, not fixed here: after a SIGKILL of
+this process, Ray's two node agents (``ray::DashboardAgent``, ``ray::RuntimeEnvAgent``) linger
+for about a minute before they exit; Ray's signal handler prints ``*** SIGTERM received``
+when the engine core is terminated (its own handler still runs and shuts down cleanly); and
+the actors' process titles are Ray's (``ray::RayWorker.run``), not ``ringserve::Worker_TP<r>``.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import logging
+import os
+import secrets
+import shutil
+import tempfile
+import threading
+from collections.abc import Iterator
+from concurrent.futures import Future
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import zmq
+
+from ringserve import envs
+from ringserve.config import EngineConfig
+from ringserve.gpu.executor.base import Executor
+from ringserve.gpu.executor.errors import ExecutorShutdownError, WorkerDiedError, WorkerError
+from ringserve.gpu.executor.pending import Pending
+from ringserve.gpu.executor.ray_worker import (
+    HELLO,
+    RayWorker,
+    identity,
+    send_message,
+    split_message,
+)
+from ringserve.gpu.executor.wire import FrameKind, RpcReply, RpcRequest, StepError
+from ringserve.gpu.wire import ModelRunnerOutput, SchedulerOutput
+from ringserve.serial import MsgpackDecoder, MsgpackEncoder
+
+logger = logging.getLogger(__name__)
+
+ACTOR_START_TIMEOUT_S = 120.0  # actors wait this long for resources (a GPU) and a process
+HELLO_TIMEOUT_S = 60.0  # started actors connect back within this
+SHUTDOWN_GRACE_S = 2.0  # after the shutdown message, before ray.kill
+ACTOR_NUM_CPUS = 0.1  # a token share, so every TP rank fits on a small node (threads: ray_worker)
+OBJECT_STORE_BYTES = 100 << 20  # a private Ray stores nothing big: only call results
+# Ray's longest socket path is <temp dir>/session_<date>_<time>_<us>_<pid>/sockets/plasma_store.
+_MAX_TEMP_DIR_CHARS = 107 - 64
+
+
+@contextlib.contextmanager
+def _loopback_only() -> Iterator[None]:
+    """Keep a private Ray on 127.0.0.1 while it starts.
+
+    Ray turns a node IP of 127.0.0.1 into "a remotely reachable IP" (the host's route to the
+    internet) unless Ray clusters are disabled, which is what its
+    ``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0`` does: set for the processes Ray starts (they read it
+    at import), and its already-imported constant in this process, until `ray.init` returns.
+    """
+    from ray._private import ray_constants
+
+    name = ray_constants.ENABLE_RAY_CLUSTERS_ENV_VAR
+    saved_env, saved_flag = os.environ.get(name), ray_constants.ENABLE_RAY_CLUSTER
+    os.environ[name] = "0"
+    ray_constants.ENABLE_RAY_CLUSTER = False
+    try:
+        yield
+    finally:
+        ray_constants.ENABLE_RAY_CLUSTER = saved_flag
+        if saved_env is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = saved_env
+
+
+class _RaySession:
+    """This process's use of Ray: join, reuse or start it once; stop what it started, last."""
+
+    _lock = threading.Lock()
+    _users = 0
+    _owned = False
+    _temp_dir: Path | None = None
+    _remove_temp_dir = False
+    _token = secrets.token_hex(32)
+
+    @classmethod
+    def acquire(cls) -> None:
+        """Make sure this process is connected to Ray (see the module docstring)."""
+        import ray
+
+        with cls._lock:
+            if cls._users == 0 and not ray.is_initialized():
+                cls._connect(ray)
+            cls._users += 1
+
+    @classmethod
+    def release(cls) -> None:
+        """Drop one user; the last one stops (or disconnects from) the Ray this session began."""
+        import ray
+
+        with cls._lock:
+            cls._users -= 1
+            if cls._users > 0 or not cls._owned:
+                return
+            cls._owned = False
+            ray.shutdown()
+            cls._cleanup_temp_dir()
+
+    @classmethod
+    def _connect(cls, ray: Any) -> None:
+        os.environ["RAY_USAGE_STATS_ENABLED"] = "0"
+        address = os.environ.get("RAY_ADDRESS")
+        if address and address.startswith("ray://"):
+            raise ValueError(
+                f"RAY_ADDRESS: got {address!r}, allowed: a cluster address (auto, host:port); "
+                "Ray Client (ray://) cannot host the engine core's end of the worker sockets"
+            )
+        if address:
+            ray.init(address=address, logging_level=logging.WARNING)
+            cls._owned = True
+            return
+        temp_dir = cls._make_temp_dir()
+        if not {"RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH"} & os.environ.keys():
+            # Ray turns token auth on for a new local cluster and would write a token to
+            # ~/.ray/auth_token: give it one of ours instead (its processes inherit it).
+            os.environ["RAY_AUTH_TOKEN"] = cls._token
+        try:
+            with _loopback_only():
+                ray.init(
+                    address="local", include_dashboard=False, _temp_dir=str(temp_dir),
+                    _node_ip_address="127.0.0.1", object_store_memory=OBJECT_STORE_BYTES,
+                    logging_level=logging.WARNING,
+                )
+        except BaseException:
+            cls._cleanup_temp_dir()
+            raise
+        cls._owned = True
+
+    @classmethod
+    def _make_temp_dir(cls) -> Path:
+        given = envs.ray_tmpdir()
+        if given is not None:
+            given.mkdir(parents=True, exist_ok=True)
+            temp_dir, cls._remove_temp_dir = given.resolve(), False
+        else:
+            temp_dir, cls._remove_temp_dir = Path(tempfile.mkdtemp(prefix="ringserve-ray-")), True
+            atexit.register(cls._cleanup_temp_dir)  # before ray.init: runs after Ray's own
+        cls._temp_dir = temp_dir
+        if len(str(temp_dir)) > _MAX_TEMP_DIR_CHARS:
+            cls._cleanup_temp_dir()
+            raise ValueError(
+                f"RINGSERVE_RAY_TMPDIR: got {str(temp_dir)!r} ({len(str(temp_dir))} characters), "
+                f"allowed: a path of at most {_MAX_TEMP_DIR_CHARS} characters (Ray's unix "
+                "sockets live below it and a socket path holds at most 107 bytes)"
+            )
+        return temp_dir
+
+    @classmethod
+    def _cleanup_temp_dir(cls) -> None:
+        if cls._temp_dir is not None and cls._remove_temp_dir:
+            shutil.rmtree(cls._temp_dir, ignore_errors=True)
+        cls._temp_dir = None
+
+
+class RayExecutor(Executor):
+    """Runs one Ray actor per TP rank (see the module docstring).
+
+    The constructor returns once every worker has joined the TP group and loaded the model.
+
+    Args:
+        config: the engine configuration (`tensor_parallel_size` actors are started).
+
+    Raises:
+        WorkerDiedError: an actor died (or could not be created) during start-up.
+        WorkerError: a worker raised during start-up (the message is the worker's).
+        TimeoutError: the actors did not start or connect in time (no resources?).
+    """
+
+    def __init__(self, config: EngineConfig) -> None:
+        super().__init__(config)
+        self.world_size = config.parallel_config.tensor_parallel_size
+        self._pending = Pending(self.world_size)
+        self._send_lock = threading.Lock()  # the ROUTER socket is used by one thread at a time
+        self._encoder = MsgpackEncoder()
+        self._stopping = False
+        self._closed = False
+        self._actors: list[Any] = []
+        self._runs: list[Any] = []
+        self.worker_pids: list[int] = []
+        self._threads: list[threading.Thread] = []
+        self._ctx = zmq.Context()
+        self._sched = self._ctx.socket(zmq.ROUTER)
+        self._out = self._ctx.socket(zmq.PULL)
+        self._session = False
+        try:
+            _RaySession.acquire()
+            self._session = True
+            self._start_actors()
+            self.collective_rpc("init_device")
+            self.collective_rpc("load_model")
+        except BaseException:
+            self.shutdown()
+            raise
+
+    @property
+    def actors(self) -> list[Any]:
+        """The Ray actor handles, in rank order (for tests and operators: `ray.kill`)."""
+        return list(self._actors)
+
+    # ---- start-up -------------------------------------------------------------------------
+
+    def _start_actors(self) -> None:
+        import ray
+
+        host = str(ray.util.get_node_ip_address())  # type: ignore[no-untyped-call]
+        self._sched.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a send to a gone rank raises
+        self._sched.setsockopt(zmq.LINGER, 0)
+        self._out.setsockopt(zmq.LINGER, 0)
+        sched_addr = f"tcp://{host}:{self._sched.bind_to_random_port(f'tcp://{host}')}"
+        out_addr = f"tcp://{host}:{self._out.bind_to_random_port(f'tcp://{host}')}"
+        cuda = self.config.device_config.device == "cuda"
+        actor_class = ray.remote(RayWorker).options(
+            num_cpus=ACTOR_NUM_CPUS, num_gpus=1 if cuda else 0, max_restarts=0,
+        )
+        config_msgpack = msgspec.msgpack.encode(self.config)
+        share_cpu = "OMP_NUM_THREADS" not in os.environ
+        self._actors = [
+            actor_class.remote(config_msgpack, rank, sched_addr, out_addr, share_cpu)
+            for rank in range(self.world_size)
+        ]
+        infos = self._get_startup([a.node_info.remote() for a in self._actors])
+        self.worker_pids = [int(pid) for _, _, pid in infos]
+        init_method = f"tcp://{infos[0][0]}:{infos[0][1]}" if self.world_size > 1 else ""
+        self._runs = [actor.run.remote(init_method) for actor in self._actors]
+        self._await_hellos()
+        for target, name in ((self._read_loop, "out"), (self._monitor_loop, "monitor")):
+            thread = threading.Thread(target=target, name=f"ringserve-ray-{name}", daemon=True)
+            thread.start()
+            self._threads.append(thread)
+
+    def _get_startup(self, refs: list[Any]) -> list[Any]:
+        """The results of the actors' first calls, start-up failures mapped to executor errors."""
+        import ray
+
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=ACTOR_START_TIMEOUT_S)
+        if len(ready) < len(refs):
+            late = [rank for rank, ref in enumerate(refs) if ref not in ready]
+            raise TimeoutError(
+                f"Ray actors for ranks {late} did not start in {ACTOR_START_TIMEOUT_S:.0f} s "
+                "(does the cluster have the resources: one GPU per rank on CUDA?)"
+            )
+        results = []
+        for rank, ref in enumerate(refs):
+            try:
+                results.append(ray.get(ref))
+            except ray.exceptions.RayError as exc:
+                raise self._actor_error(rank, exc) from exc
+        return results
+
+    def _await_hellos(self) -> None:
+        """Wait until every actor's DEALER said hello (so the ROUTER can route to it)."""
+        import ray
+
+        waiting = {identity(rank) for rank in range(self.world_size)}
+        poller = zmq.Poller()
+        poller.register(self._sched, zmq.POLLIN)
+        for _ in range(int(HELLO_TIMEOUT_S * 10)):
+            if not waiting:
+                return
+            if poller.poll(100):
+                peer, message = self._sched.recv_multipart()
+                if message == HELLO:
+                    waiting.discard(peer)
+                continue
+            done, _ = ray.wait(self._runs, num_returns=len(self._runs), timeout=0)
+            for ref in done:
+                rank = self._runs.index(ref)
+                raise self._run_ended_error(rank, ref)
+        if waiting:
+            raise TimeoutError(f"Ray actors {sorted(waiting)} did not connect in {HELLO_TIMEOUT_S:.0f} s")
+
+    # ---- replies and deaths ---------------------------------------------------------------
+
+    def _read_loop(self) -> None:
+        """Serve the PULL socket until the context is terminated (shutdown)."""
+        output_decoder = MsgpackDecoder(ModelRunnerOutput)
+        reply_decoder = MsgpackDecoder(RpcReply)
+        error_decoder = MsgpackDecoder(StepError)
+        try:
+            while True:
+                try:
+                    kind, bufs = split_message(self._out.recv_multipart(copy=False))
+                    if kind == FrameKind.OUTPUT:
+                        self._pending.complete_step(output_decoder.decode(bufs))
+                    elif kind == FrameKind.RPC_REPLY:
+                        self._pending.complete_call(reply_decoder.decode(bufs))
+                    elif kind == FrameKind.STEP_ERROR:
+                        self._step_failed(error_decoder.decode(bufs))
+                    else:
+                        raise RuntimeError(f"a Ray worker sent an unknown message kind {kind}")
+                except zmq.ContextTerminated:
+                    return
+                except Exception as exc:  # a malformed message is an engine fault, not a drop
+                    self._pending.fail(exc)
+        finally:
+            self._out.close(linger=0)
+
+    def _step_failed(self, error: StepError) -> None:
+        logger.error("worker rank %d failed in step %d:\n%s", error.rank, error.step_id, error.traceback)
+        message = f"worker rank {error.rank} failed in step {error.step_id}: {error.error}"
+        self._pending.fail(WorkerError(error.rank, message, error.traceback))
+
+    def _monitor_loop(self) -> None:
+        """Wait on every actor's `run` task; one that ends outside shutdown is a fault."""
+        import ray
+
+        remaining = list(self._runs)
+        while remaining:
+            done, remaining = ray.wait(remaining, num_returns=1)
+            for ref in done:
+                if not self._stopping:
+                    self._pending.fail(self._run_ended_error(self._runs.index(ref), ref))
+
+    def _run_ended_error(self, rank: int, ref: Any) -> Exception:
+        """The fault for rank `rank`'s `run` task having ended (`ref` is done)."""
+        import ray
+
+        try:
+            ray.get(ref)
+        except ray.exceptions.RayError as exc:
+            return self._actor_error(rank, exc)
+        return WorkerDiedError(rank, 0)  # it served until a shutdown we did not send
+
+    @staticmethod
+    def _actor_error(rank: int, exc: BaseException) -> Exception:
+        import ray
+
+        if isinstance(exc, ray.exceptions.RayActorError):
+            error: Exception = WorkerDiedError(rank, None)
+        else:
+            error = WorkerError(rank, f"worker rank {rank}: {exc}")
+        error.__cause__ = exc
+        return error
+
+    # ---- the Executor interface -----------------------------------------------------------
+
+    def determine_num_blocks(self) -> int:
+        """The minimum over ranks of the KV blocks each can hold."""
+        return min(int(n) for n in self.collective_rpc("determine_num_blocks"))
+
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        """Allocate `num_blocks` KV blocks on every rank."""
+        self.collective_rpc("initialize_kv_cache", (num_blocks,))
+        self.num_blocks = num_blocks
+
+    def _broadcast(self, kind: FrameKind, message: Any) -> None:
+        """Send one message to every rank (caller holds `_send_lock`).
+
+        Raises:
+            WorkerDiedError: a rank's connection is gone (its actor died).
+        """
+        bufs = self._encoder.encode(message)
+        for rank in range(self.world_size):
+            try:
+                send_message(self._sched, kind, bufs, prefix=(identity(rank),))
+            except zmq.ZMQError as exc:
+                if exc.errno != zmq.EHOSTUNREACH:
+                    raise
+                raise WorkerDiedError(rank, None) from exc
+
+    def _submit_step(self, scheduler_output: SchedulerOutput) -> Future[ModelRunnerOutput]:
+        with self._send_lock:
+            future = self._pending.add_step(scheduler_output.step_id)
+            if future.done():
+                return future  # already failed: the executor is broken
+            try:
+                self._broadcast(FrameKind.STEP, scheduler_output)
+            except WorkerDiedError as exc:
+                self._pending.fail(exc)
+            except BaseException:
+                self._pending.drop_last_step(future)
+                raise
+        return future
+
+    def collective_rpc(
+        self, method: str, args: tuple[Any, ...] = (), timeout: float | None = None
+    ) -> list[Any]:
+        """Call `Worker.<method>(*args)` on every rank; the values in rank order.
+
+        Arguments and values cross as msgpack (numbers, strings, lists, dicts, numpy arrays,
+        tensors); msgspec Structs come back as their array or dict form.
+
+        Raises:
+            WorkerError: a rank raised (the message names the rank and carries its error).
+            WorkerDiedError: an actor died before every rank answered.
+            TimeoutError: not every rank answered within `timeout` seconds.
+        """
+        with self._send_lock:
+            call_id, future = self._pending.add_call()
+            if not future.done():
+                try:
+                    self._broadcast(FrameKind.RPC, RpcRequest(call_id, method, tuple(args)))
+                except WorkerDiedError as exc:
+                    self._pending.fail(exc)
+                except BaseException:
+                    self._pending.drop_call(call_id)
+                    raise
+        try:
+            return future.result(timeout)
+        except TimeoutError:
+            self._pending.drop_call(call_id)
+            raise
+
+    def check_health(self) -> None:
+        """Raise the first fault (an actor died or a worker raised), if any.
+
+        Raises:
+            WorkerDiedError, WorkerError, ExecutorShutdownError: the executor cannot run steps.
+        """
+        if self._pending.failure is not None:
+            raise self._pending.failure
+
+    # ---- shutdown -------------------------------------------------------------------------
+
+    def shutdown(self) -> None:
+        """Shutdown message, then `ray.kill` the actors, close the sockets, stop Ray if ours.
+
+        Idempotent. Pending steps and calls fail with `ExecutorShutdownError`.
+        """
+        if self._closed:
+            return
+        self._closed = True
+        self._stopping = True
+        if self._actors:
+            self._stop_actors()
+        for thread in self._threads:
+            if thread.name.endswith("monitor"):
+                thread.join(timeout=5.0)
+        with self._send_lock:
+            self._sched.close(linger=0)
+        if not any(t.name.endswith("out") for t in self._threads):
+            self._out.close(linger=0)  # no reader thread took it over
+        self._ctx.term()  # wakes the reader thread with ContextTerminated; it closes its socket
+        for thread in self._threads:
+            thread.join(timeout=2.0)
+        self._pending.fail(ExecutorShutdownError("the executor was shut down"))
+        if self._session:
+            self._session = False
+            _RaySession.release()
+
+    def _stop_actors(self) -> None:
+        import ray
+
+        if self._send_lock.acquire(timeout=1.0):
+            try:
+                for rank in range(self.world_size):
+                    # An actor that is gone or not connected raises: ray.kill below stops it.
+                    with contextlib.suppress(zmq.ZMQError):
+                        send_message(self._sched, FrameKind.SHUTDOWN, [b""], prefix=(identity(rank),),
+                                     flags=zmq.NOBLOCK)
+            finally:
+                self._send_lock.release()
+        if self._runs:
+            ray.wait(self._runs, num_returns=len(self._runs), timeout=SHUTDOWN_GRACE_S)
+        for actor in self._actors:
+            try:
+                ray.kill(actor, no_restart=True)
+            except Exception as exc:  # already dead: nothing left to stop
+                logger.debug("ray.kill: %s", exc)
