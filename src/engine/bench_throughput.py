@@ -49,23 +49,27 @@ def bench_model_dir() -> str:
     return str(tiny_model("demo", intermediate_size=512))
 
 
-def run_ringserve(model: str, prompts: list[list[int]], outs: list[int]) -> float:
-    """Seconds for LLM.generate over the workload (after a warm-up request)."""
+def run_ringserve(model: str, prompts: list[list[int]], outs: list[int], reps: int) -> list[float]:
+    """Seconds for LLM.generate over the workload, `reps` times (after a warm-up request)."""
     from ringserve import LLM, SamplingParams
 
     params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in outs]
+    times = []
     with LLM(model, device="cpu", kv_cache_memory=256 << 20) as llm:
         llm.generate([{"prompt_token_ids": prompts[0]}], params[0], use_tqdm=False)
-        start = time.perf_counter()
-        results = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-        elapsed = time.perf_counter() - start
-    if [len(r.outputs[0].token_ids) for r in results] != outs:
-        raise RuntimeError("ringserve produced the wrong number of tokens")
-    return elapsed
+        for _ in range(reps):
+            llm.reset_prefix_cache()  # every repetition starts cold, like the baselines
+            start = time.perf_counter()
+            results = llm.generate([{"prompt_token_ids": p} for p in prompts], params,
+                                   use_tqdm=False)
+            times.append(time.perf_counter() - start)
+            if [len(r.outputs[0].token_ids) for r in results] != outs:
+                raise RuntimeError("ringserve produced the wrong number of tokens")
+    return times
 
 
-def run_hf_batched(model: str, prompts: list[list[int]], outs: list[int]) -> float:
-    """Seconds for one left-padded transformers generate over the workload."""
+def run_hf_batched(model: str, prompts: list[list[int]], outs: list[int], reps: int) -> list[float]:
+    """Seconds for one left-padded transformers generate over the workload, `reps` times."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -74,15 +78,19 @@ def run_hf_batched(model: str, prompts: list[list[int]], outs: list[int]) -> flo
     longest = max(len(p) for p in prompts)
     ids = torch.tensor([[pad] * (longest - len(p)) + p for p in prompts])
     mask = torch.tensor([[0] * (longest - len(p)) + [1] * len(p) for p in prompts])
+    times = []
     with torch.no_grad():
         hf.generate(ids[:2, -16:], attention_mask=mask[:2, -16:], max_new_tokens=4, do_sample=False)
-        start = time.perf_counter()
-        hf.generate(ids, attention_mask=mask, max_new_tokens=max(outs), do_sample=False,
-                    eos_token_id=None, pad_token_id=pad)
-        return time.perf_counter() - start
+        for _ in range(reps):
+            start = time.perf_counter()
+            hf.generate(ids, attention_mask=mask, max_new_tokens=max(outs), do_sample=False,
+                        eos_token_id=None, pad_token_id=pad)
+            times.append(time.perf_counter() - start)
+    return times
 
 
-def run_hf_continuous(model: str, prompts: list[list[int]], outs: list[int]) -> float:
+def run_hf_continuous(model: str, prompts: list[list[int]], outs: list[int],
+                      reps: int) -> list[float]:
     """Seconds for transformers continuous batching (512 blocks, page 32, 512 batch tokens)."""
     import torch
     from transformers import AutoModelForCausalLM, GenerationConfig
@@ -91,20 +99,23 @@ def run_hf_continuous(model: str, prompts: list[list[int]], outs: list[int]) -> 
     hf = AutoModelForCausalLM.from_pretrained(model).eval()
     gen = GenerationConfig(do_sample=False, max_new_tokens=max(outs), eos_token_id=None,
                            pad_token_id=hf.generation_config.pad_token_id)
-    cb = ContinuousBatchingConfig(num_blocks=512, block_size=32, page_size=32,
-                                  max_batch_tokens=512)
-    with torch.no_grad(), hf.continuous_batching_context_manager(
-            generation_config=gen, continuous_batching_config=cb, block=True, timeout=5) as mgr:
-        start = time.perf_counter()
-        ids = [mgr.add_request(p, max_new_tokens=n) for p, n in zip(prompts, outs, strict=True)]
-        done = 0
-        while done < len(ids):
-            result = mgr.get_result(timeout=1)
-            if result is not None and result.is_finished():
-                done += 1
-            elif result is None and not mgr.is_running():
-                raise RuntimeError("transformers continuous batching stopped early")
-        return time.perf_counter() - start
+    cb = ContinuousBatchingConfig(num_blocks=512, page_size=32, max_batch_tokens=512)
+    times = []
+    for _ in range(reps):
+        with torch.no_grad(), hf.continuous_batching_context_manager(
+                generation_config=gen, continuous_batching_config=cb, block=True,
+                timeout=5) as mgr:
+            start = time.perf_counter()
+            ids = [mgr.add_request(p, max_new_tokens=n) for p, n in zip(prompts, outs, strict=True)]
+            done = 0
+            while done < len(ids):
+                result = mgr.get_result(timeout=1)
+                if result is not None and result.is_finished():
+                    done += 1
+                elif result is None and not mgr.is_running():
+                    raise RuntimeError("transformers continuous batching stopped early")
+            times.append(time.perf_counter() - start)
+    return times
 
 
 def run_null_overhead(model: str, num_running: int, executor: str,
@@ -158,6 +169,7 @@ def main(argv: list[str] | None = None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--skip-hf", action="store_true", help="skip the transformers baselines")
     parser.add_argument("--overhead-only", action="store_true", help="only the null-model part")
+    parser.add_argument("--reps", type=int, default=3, help="timed repetitions per engine")
     ns = parser.parse_args(argv)
     model = bench_model_dir()
     prompts, outs = workload()
@@ -169,11 +181,14 @@ def main(argv: list[str] | None = None) -> int:
         if not ns.skip_hf:
             runs["transformers generate (padded batch)"] = run_hf_batched
             runs["transformers continuous batching"] = run_hf_continuous
-        rates = {name: total / fn(model, prompts, outs) for name, fn in runs.items()}
+        times = {name: fn(model, prompts, outs, ns.reps) for name, fn in runs.items()}
+        rates = {name: total / statistics.median(t) for name, t in times.items()}
         report["tok_per_s"] = rates
-        print("\n| engine | output tok/s |\n|---|---:|")
+        report["seconds"] = times
+        print(f"\n| engine | output tok/s (median of {ns.reps}) | runs (s) |\n|---|---:|---|")
         for name, rate in rates.items():
-            print(f"| {name} | {rate:,.0f} |")
+            runs_s = ", ".join(f"{t:.2f}" for t in times[name])
+            print(f"| {name} | {rate:,.0f} | {runs_s} |")
         base = rates.get("transformers generate (padded batch)")
         if base:
             ratio = rates["ringserve LLM.generate"] / base
@@ -191,8 +206,3 @@ def main(argv: list[str] | None = None) -> int:
               f"{r['output']:.0f} | {r['step']:.0f} |")
     print(json.dumps(report))
     return 0
-
-
-def median(values: list[float]) -> float:
-    """The median (helper for callers that repeat runs)."""
-    return statistics.median(values)
