@@ -122,6 +122,7 @@ class KVCacheManager:
         num_new_tokens: int,
         num_lookahead_tokens: int = 0,
         new_computed_blocks: list[int] | None = None,
+        cache_blocks: bool = True,
     ) -> list[int] | None:
         """Make room for `num_new_tokens` more tokens of a request (plus lookahead slots).
 
@@ -132,6 +133,9 @@ class KVCacheManager:
             new_computed_blocks: prefix-cache hits from `get_computed_blocks` (new or resumed
                 requests only); they join the request's block table ahead of the new blocks,
                 and their tokens count as computed.
+            cache_blocks: register the blocks this step fills in the prefix cache now; the
+                scheduler passes False for running requests that a later preemption in the
+                same step could take back, and calls `cache_blocks` once that is settled.
 
         Returns:
             The newly allocated block ids (hits excluded; a shared empty list, not to be
@@ -170,9 +174,15 @@ class KVCacheManager:
         if is_new:
             self._blocks[request.request_id] = blocks
             request.num_cached_blocks = num_hits
-        if self.enable_caching:
+        if self.enable_caching and cache_blocks:
             self._cache_full_blocks(request, blocks, num_computed + num_new_tokens)
         return new_blocks
+
+    def cache_blocks(self, request: Request, num_slots: int) -> None:
+        """Register the request's full, hashed blocks within its first `num_slots` slots."""
+        blocks = self._blocks.get(request.request_id)
+        if self.enable_caching and blocks is not None:
+            self._cache_full_blocks(request, blocks, num_slots)
 
     def _cache_full_blocks(self, request: Request, blocks: list[int], num_slots: int) -> None:
         # Only blocks already hashed (the prompt's, and those hashed when the request was

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterable
+from functools import partial
 
 from ringserve.config import CacheConfig, SchedulerConfig
 from ringserve.engine.admission import RequestLimits
@@ -191,7 +192,11 @@ class Scheduler(OutputMixin):
 
     def _schedule_running(self, step: _Step) -> None:
         running = self.running
-        allocate = self.kv_cache_manager.allocate_slots
+        # Block registration in the prefix cache waits until no preemption can take this
+        # step back (see _cache_scheduled_running): a victim scheduled earlier in the loop
+        # never writes its slots, and a cached hash over them would serve garbage later.
+        kv = self.kv_cache_manager
+        allocate = partial(kv.allocate_slots, cache_blocks=False)
         threshold = self.long_prefill_token_threshold
         i = 0
         while i < len(running) and step.budget > 0:
@@ -226,6 +231,9 @@ class Scheduler(OutputMixin):
             step.num_scheduled[req.request_id] = n
             step.budget -= n
             i += 1
+        for req, n, new_blocks in step.running:
+            if new_blocks:
+                kv.cache_blocks(req, req.num_computed_tokens + n)
 
     def _make_room(self, req: Request, index: int, step: _Step) -> int:
         """Preempt one victim so `req` (at `index`) can grow.

@@ -10,6 +10,7 @@ import pytest
 from sched_fakes import Driver, check_no_leaks, default_sampler, make_request, make_scheduler
 
 from ringserve.engine.block_hash import ROOT_HASH, hash_full_blocks
+from ringserve.engine.wire import FinishReason
 
 
 @pytest.fixture(autouse=True)
@@ -151,3 +152,29 @@ def test_reset_prefix_cache_with_requests_running() -> None:
     assert so.scheduled_new_reqs[0].num_computed_tokens == 0
     d.run()
     assert len(d.tokens["a"]) == 30
+
+
+def test_victim_scheduled_earlier_in_the_step_leaves_no_cached_garbage() -> None:
+    """Regression (found by the random workloads): a running request scheduled first in a
+    step, then preempted in the same step, must not leave its not-yet-written blocks in the
+    prefix cache; resumed, it would hit them and skip computing those positions."""
+    sched = make_scheduler(num_blocks=9, block_size=4, max_num_seqs=2, max_num_batched_tokens=21,
+                           max_model_len=22, enable_chunked_prefill=False,
+                           long_prefill_token_threshold=3, policy="priority",
+                           enable_prefix_caching=True)
+    d = Driver(sched)
+    sched.add_request(make_request("r0", [11, 12, 13, 14, 15, 16, 17, 18, 19, 20] + [10] * 11,
+                                   max_tokens=1, priority=1, arrival_time=1.0))
+    d.step()
+    d.step()
+    sched.add_request(make_request("r1", [21, 22, 23, 24, 25, 26, 10], max_tokens=3, priority=0,
+                                   arrival_time=2.0))
+    preempted = []
+    for _ in range(40):  # the fake worker asserts every position it reads was written
+        so = d.step()
+        preempted += so.preempted_req_ids
+        if not sched.has_requests():
+            break
+    assert preempted == ["r0"]
+    assert d.finished["r0"].finish_reason == FinishReason.LENGTH
+    assert d.finished["r1"].finish_reason == FinishReason.LENGTH
