@@ -50,6 +50,13 @@ from ringserve.lifeline import install_lifeline
 from ringserve.serial import MsgpackDecoder, MsgpackEncoder
 
 
+class _ExecutorFailed:
+    """Put in the input queue by the executor's failure callback: wakes an idle busy loop."""
+
+    def __init__(self, error: BaseException) -> None:
+        self.error = error
+
+
 class _Shutdown(Exception):
     """Raised in the main thread by SIGTERM / SIGINT."""
 
@@ -70,7 +77,7 @@ class EngineCoreProc:
         self.config = config
         self.engine_index = engine_index
         self.ctx = zmq.Context(io_threads=1)
-        self.input_queue: queue.Queue[CoreInput] = queue.Queue()
+        self.input_queue: queue.Queue[CoreInput | _ExecutorFailed] = queue.Queue()
         # Unbounded on purpose: the busy loop must never block on output; the output thread
         # sends as fast as the socket allows and zmq's own high-water mark applies behind it.
         self.output_queue: queue.Queue[Any] = queue.Queue()
@@ -132,6 +139,8 @@ class EngineCoreProc:
         except Exception as exc:  # reported to the frontend, which raises it
             self.output_queue.put(HandshakeReply(ready=False, error=_describe(exc)))
             return False
+        self.core.executor.register_failure_callback(
+            lambda error: self.input_queue.put(_ExecutorFailed(error)))
         self.output_queue.put(HandshakeReply(
             ready=True, num_blocks=self.core.num_blocks,
             max_model_len=self.config.model_config.max_model_len))
@@ -163,9 +172,11 @@ class EngineCoreProc:
                 return
             self._handle(message)
 
-    def _handle(self, message: CoreInput) -> None:
+    def _handle(self, message: CoreInput | _ExecutorFailed) -> None:
         core = self.core
         assert core is not None  # run_busy_loop checked it
+        if isinstance(message, _ExecutorFailed):
+            raise message.error  # an engine fault: main() fails every request and exits
         if isinstance(message, AddRequest):
             core.add_request(message.request)
         elif isinstance(message, AbortRequests):

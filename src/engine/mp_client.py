@@ -163,13 +163,26 @@ class SyncMPClient(EngineCoreClient):
     # -- sending ---------------------------------------------------------------------------------
 
     def _send(self, message: Any) -> None:
-        self._check_alive()
+        if self.process.exited.is_set():
+            self._learn_why_dead()
+        if self._dead is not None:  # nothing can be sent to a dead core, pending outputs or not
+            raise EngineDeadError(self._dead)
         try:
             self.input_sock.send_multipart([self._identity, *self._encoder.encode(message)],
                                            copy=False)
         except zmq.ZMQError as exc:
+            self.process.exited.wait(1.0)
+            self._learn_why_dead()
             self._mark_dead(f"cannot reach the engine core: {exc}")
-            self._check_alive()
+            raise EngineDeadError(self._dead or str(exc)) from exc
+
+    def _learn_why_dead(self) -> None:
+        """The core exited: read what it sent last (its dead notice says why)."""
+        while self._dead is None and self.output_sock.poll(0):
+            outputs = self._recv(0)
+            if outputs is not None and outputs.outputs:
+                self._pending.append(outputs)
+        self._mark_dead(f"engine core {self.process.describe_exit()}")
 
     def add_request(self, request: EngineCoreRequest) -> None:
         self._send(AddRequest(request))

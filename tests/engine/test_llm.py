@@ -152,3 +152,30 @@ def test_sleep_wake_up_keeps_outputs(tiny_llama_dir: Path) -> None:
         after = _token_ids(llm.generate(PROMPTS, GREEDY, use_tqdm=False))
         assert llm.reset_prefix_cache()
     assert before == after
+
+
+def _children(pid: int) -> list[int]:
+    kids: list[int] = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        text = (task / "children").read_text().split()
+        kids += [int(k) for k in text]
+    return kids
+
+
+@pytest.mark.slow
+def test_idle_worker_death_ends_the_core_at_once(tiny_llama_dir: Path) -> None:
+    from ringserve.engine.errors import EngineDeadError
+
+    llm = LLM(str(tiny_llama_dir), distributed_executor_backend="mp", **SMALL)
+    try:
+        llm.generate("warm", GREEDY, use_tqdm=False)
+        core = llm.llm_engine.engine_core.process  # type: ignore[attr-defined]
+        workers = [p for p in _children(core.pid) if _title(p).startswith("ringserve::Worker_TP")]
+        assert len(workers) == 1
+        os.kill(workers[0], signal.SIGKILL)
+        assert core.exited.wait(5.0), "the idle core did not notice its worker's death"
+        assert core.proc.returncode == 1
+        with pytest.raises(EngineDeadError, match=r"Worker_TP0.*killed by signal 9"):
+            llm.generate("after", GREEDY, use_tqdm=False)
+    finally:
+        llm.close()

@@ -10,6 +10,7 @@ scheduled and queued while step N runs).
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any, Literal, overload
 
@@ -27,6 +28,16 @@ class Executor(ABC):
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         self.num_blocks = 0
+        self._failure_callbacks: list[Callable[[BaseException], None]] = []
+
+    def register_failure_callback(self, callback: Callable[[BaseException], None]) -> None:
+        """Call `callback(error)` (from any thread) as soon as a worker dies between steps,
+        so an idle engine core hears of it at once instead of at its next step."""
+        self._failure_callbacks.append(callback)
+
+    def _notify_failure(self, error: BaseException) -> None:
+        for callback in self._failure_callbacks:
+            callback(error)
 
     @staticmethod
     def get_class(config: EngineConfig) -> type[Executor]:

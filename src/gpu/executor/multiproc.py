@@ -201,7 +201,9 @@ class MultiprocExecutor(Executor):
             pass  # it died at once; wait() below reports how
         exitcode = proc.wait()
         if not self._stopping:
-            self._pending.fail(WorkerDiedError(rank, exitcode))
+            error = WorkerDiedError(rank, exitcode)
+            self._pending.fail(error)
+            self._notify_failure(error)
 
     # ---- responses ------------------------------------------------------------------------
 

@@ -350,7 +350,9 @@ class RayExecutor(Executor):
             done, remaining = ray.wait(remaining, num_returns=1)
             for ref in done:
                 if not self._stopping:
-                    self._pending.fail(self._run_ended_error(self._runs.index(ref), ref))
+                    error = self._run_ended_error(self._runs.index(ref), ref)
+                    self._pending.fail(error)
+                    self._notify_failure(error)
 
     def _run_ended_error(self, rank: int, ref: Any) -> Exception:
         """The fault for rank `rank`'s `run` task having ended (`ref` is done)."""
