@@ -1,0 +1,93 @@
+"""Control routes (admin key): sleep, wake_up, is_sleeping, pause, resume, reset_prefix_cache.
+
+Each calls the engine cores' utility of the same name (`AsyncLLM.call_utility`). Parameters
+come, as in vLLM, from the query string (`/sleep?level=1`, `/pause?mode=keep`) or a JSON
+body (`{"level": 2}`); a value a core refuses (a sleep level other than 1 or 2, sleeping with
+requests in flight, an unknown pause mode) is a 400 with the core's message.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+
+from ringserve.http.context import AppContext
+from ringserve.http.errors import bad_request
+from ringserve.http.responses import json_response
+
+ADMIN_PATHS = ("/sleep", "/wake_up", "/is_sleeping", "/pause", "/resume", "/reset_prefix_cache")
+
+
+async def _param(request: Request, name: str) -> Any:
+    """A parameter from the query string, else from a JSON object body; None if absent."""
+    if name in request.query_params:
+        return request.query_params[name]
+    body = await request.body()
+    if not body:
+        return None
+    try:
+        values = msgspec.json.decode(body, type=dict[str, Any])
+    except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+        raise bad_request(f"Invalid request body: {exc} (expected a JSON object)") from None
+    return values.get(name)
+
+
+class Admin:
+    """The control routes."""
+
+    def __init__(self, ctx: AppContext) -> None:
+        self.ctx = ctx
+
+    async def _call(self, method: str, *args: Any) -> list[Any]:
+        return await self.ctx.engine.call_utility(method, *args)
+
+    async def sleep(self, request: Request) -> Response:
+        """Free device memory: level 1 the KV cache, level 2 also the weights."""
+        raw = await _param(request, "level")
+        try:
+            level = 1 if raw is None else int(raw)
+        except (TypeError, ValueError):
+            raise bad_request(f"level: got {raw!r}, allowed: 1 or 2", "level") from None
+        await self._call("sleep", level)
+        return Response(status_code=200)
+
+    async def wake_up(self, request: Request) -> Response:
+        """Undo sleep."""
+        await self._call("wake_up")
+        return Response(status_code=200)
+
+    async def is_sleeping(self, request: Request) -> Response:
+        """`{"is_sleeping": bool}` (any core asleep)."""
+        levels = await self._call("is_sleeping")
+        return json_response({"is_sleeping": any(levels)})
+
+    async def pause(self, request: Request) -> Response:
+        """Stop scheduling; mode keep (default), abort or wait."""
+        mode = await _param(request, "mode")
+        await self._call("pause", "keep" if mode is None else str(mode))
+        return Response(status_code=200)
+
+    async def resume(self, request: Request) -> Response:
+        """Undo pause."""
+        await self._call("resume")
+        return Response(status_code=200)
+
+    async def reset_prefix_cache(self, request: Request) -> Response:
+        """Drop cached prefix blocks; `{"success": false}` when some are still in use."""
+        results = await self._call("reset_prefix_cache")
+        return json_response({"success": all(bool(r) for r in results)})
+
+    def routes(self, wrap: Any) -> list[Route]:
+        """The routes, each endpoint passed through `wrap` (the app's error guard)."""
+        return [
+            Route("/sleep", wrap(self.sleep), methods=["POST"]),
+            Route("/wake_up", wrap(self.wake_up), methods=["POST"]),
+            Route("/is_sleeping", wrap(self.is_sleeping), methods=["GET"]),
+            Route("/pause", wrap(self.pause), methods=["POST"]),
+            Route("/resume", wrap(self.resume), methods=["POST"]),
+            Route("/reset_prefix_cache", wrap(self.reset_prefix_cache), methods=["POST"]),
+        ]

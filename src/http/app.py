@@ -1,0 +1,128 @@
+"""The ASGI app: OpenAI-compatible routes over a running AsyncLLM (Starlette on trio).
+
+`build_app(engine, settings, state)` is what `ringserve serve` hands to hypercorn. The server
+owns the engine's lifecycle and the `ServerState` flags; the app only calls the engine and
+reads the flags: generation routes answer 503 while draining (or before the engine is ready)
+and count themselves in `state.in_flight` until their response has been sent (a stream until
+its last event or its client's disconnect), so the drain can wait on `state.idle`.
+
+Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /health,
+GET /version, GET /metrics, POST /tokenize, POST /detokenize, and the control routes of
+`ringserve.http.admin`. Every error is OpenAI's error body (`ringserve.http.errors`); keys are
+checked by `ringserve.http.auth`; bodies over `max_request_body_bytes` get 413
+(`ringserve.http.body_limit`).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable
+
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.applications import Starlette
+from starlette.middleware import Middleware
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+
+import ringserve
+from ringserve.engine.async_llm import AsyncLLM
+from ringserve.http.admin import ADMIN_PATHS, Admin
+from ringserve.http.auth import AuthMiddleware
+from ringserve.http.body_limit import BodyLimitMiddleware
+from ringserve.http.chat import Chat
+from ringserve.http.completions import Completions
+from ringserve.http.context import AppContext
+from ringserve.http.errors import EXCEPTION_HANDLERS, APIError, error_from_exception
+from ringserve.http.responses import ModelCard, ModelList, json_response
+from ringserve.http.settings import ServerState, ServeSettings
+from ringserve.http.streaming import SSEResponse
+from ringserve.http.tokenize import Tokenization
+
+logger = logging.getLogger(__name__)
+
+Endpoint = Callable[[Request], Awaitable[Response]]
+
+OPEN_PATHS = ("/health", "/version", "/metrics")
+
+
+def _guard(ctx: AppContext, handler: Endpoint, *, generation: bool = False) -> Endpoint:
+    """Map engine and validation errors to responses; for generation routes also refuse new
+    work while draining and keep the in-flight count until the response is done."""
+
+    async def endpoint(request: Request) -> Response:
+        handed_off = False
+        try:
+            if generation:
+                ctx.check_accepting()
+                ctx.state.enter()
+            try:
+                response = await handler(request)
+                if generation and isinstance(response, SSEResponse):
+                    response.on_close = ctx.state.leave  # runs when the stream ends
+                    handed_off = True
+            finally:
+                if generation and not handed_off:
+                    ctx.state.leave()
+        except Exception as exc:
+            error = error_from_exception(exc)
+            if error is None:
+                raise  # a bug: Starlette answers 500 and logs it
+            response = error.response()
+        if ctx.settings.enable_log_requests:
+            logger.info("%s %s -> %d", request.method, request.url.path, response.status_code)
+        return response
+
+    return endpoint
+
+
+def build_app(engine: AsyncLLM, settings: ServeSettings, state: ServerState) -> Starlette:
+    """The OpenAI-compatible Starlette app over `engine`.
+
+    Args:
+        engine: a started AsyncLLM (the server runs it; the app never starts or stops it).
+        settings: the serving settings (model name, keys, chat template, body limit).
+        state: the shared readiness / draining / in-flight state.
+    """
+    ctx = AppContext(engine, settings, state)
+
+    async def models(request: Request) -> Response:
+        card = ModelCard(id=ctx.model_name, created=ctx.created, root=ctx.model_name,
+                         max_model_len=ctx.max_model_len)
+        return json_response(ModelList(data=[card]))
+
+    async def health(request: Request) -> Response:
+        if not state.ready:
+            return APIError(503, "The engine is still starting").response()
+        if state.draining:
+            return APIError(503, "The server is shutting down").response()
+        if not engine.is_running:
+            return APIError(503, "The engine is not running").response()
+        return Response(status_code=200)
+
+    async def version(request: Request) -> Response:
+        return json_response({"version": ringserve.__version__})
+
+    async def metrics(request: Request) -> Response:
+        return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)
+
+    tokenization = Tokenization(ctx)
+    routes = [
+        Route("/v1/completions", _guard(ctx, Completions(ctx).create, generation=True),
+              methods=["POST"]),
+        Route("/v1/chat/completions", _guard(ctx, Chat(ctx).create, generation=True),
+              methods=["POST"]),
+        Route("/v1/models", models, methods=["GET"]),
+        Route("/health", health, methods=["GET"]),
+        Route("/version", version, methods=["GET"]),
+        Route("/metrics", metrics, methods=["GET"]),
+        Route("/tokenize", _guard(ctx, tokenization.tokenize), methods=["POST"]),
+        Route("/detokenize", _guard(ctx, tokenization.detokenize), methods=["POST"]),
+        *Admin(ctx).routes(lambda handler: _guard(ctx, handler)),
+    ]
+    auth = Middleware(AuthMiddleware, api_key=settings.api_key,
+                      admin_api_key=settings.admin_api_key, open_paths=OPEN_PATHS,
+                      admin_paths=ADMIN_PATHS)
+    limit = Middleware(BodyLimitMiddleware, limit=settings.max_request_body_bytes)
+    return Starlette(routes=routes, middleware=[auth, limit],
+                     exception_handlers=EXCEPTION_HANDLERS)

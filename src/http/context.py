@@ -1,0 +1,103 @@
+"""What every route needs: the engine, the settings, the shared state, and body decoding.
+
+`AppContext` is built once by `build_app` and handed to the route classes. It decodes bodies
+with msgspec (a decode error names the path and becomes a 400; `body_limit` makes an
+oversized body a 413), checks the model name (404 when it is not the served one),
+tokenizes (long texts in a worker thread, as AsyncLLM does) and refuses generation while the
+server drains or before the engine is ready (503).
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import msgspec
+import trio
+from starlette.requests import Request
+
+from ringserve.engine.async_llm import AsyncLLM
+from ringserve.http.errors import APIError, bad_request, error_from_exception
+from ringserve.http.settings import ServerState, ServeSettings
+
+T = TypeVar("T")
+
+# Texts longer than this are tokenized in a worker thread (the same cut-off as AsyncLLM's).
+_INLINE_TOKENIZE_CHARS = 2048
+
+
+@dataclass
+class AppContext:
+    """The engine and settings behind the routes.
+
+    Attributes:
+        engine: the running AsyncLLM (its lifecycle belongs to the server).
+        settings: the serving settings.
+        state: readiness, draining and the in-flight count, shared with the server.
+        tokenizer: the engine's tokenizer.
+        max_model_len: the engine's context length.
+        created: when the app was built (the `created` of `/v1/models`).
+    """
+
+    engine: AsyncLLM
+    settings: ServeSettings
+    state: ServerState
+    tokenizer: Any = field(init=False)
+    max_model_len: int = field(init=False)
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    def __post_init__(self) -> None:
+        self.tokenizer = self.engine.get_tokenizer()
+        self.max_model_len = self.engine.config.model_config.max_model_len
+
+    @property
+    def model_name(self) -> str:
+        """The served model name."""
+        return self.settings.served_model_name
+
+    async def parse(self, request: Request, kind: type[T]) -> T:
+        """Decode the JSON body as `kind`.
+
+        Raises:
+            APIError: 400 for malformed JSON or a field of the wrong type (path named).
+            APIError: 413 from the body limit.
+        """
+        body = await request.body()
+        if not body:
+            raise bad_request("The request body is empty; expected a JSON object")
+        try:
+            return msgspec.json.decode(body, type=kind)
+        except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+            error = error_from_exception(exc)
+            assert error is not None
+            raise error from None
+
+    def check_model(self, model: str | None) -> None:
+        """Raises APIError 404 unless `model` is the served model (or omitted)."""
+        if model is not None and model != self.model_name:
+            raise APIError(404, f"The model `{model}` does not exist.", "model")
+
+    def check_accepting(self) -> None:
+        """Raises APIError 503 while draining, before the engine is ready, or once it died."""
+        if self.state.draining:
+            raise APIError(503, "The server is shutting down and accepts no new requests")
+        if not self.state.ready:
+            raise APIError(503, "The engine is still starting")
+        if self.engine.errored:
+            raise APIError(503, "The engine is not available (it stopped)")
+
+    async def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of `text` (off the event loop when it is long)."""
+        def encode() -> list[int]:
+            return list(self.tokenizer(text, add_special_tokens=add_special_tokens).input_ids)
+
+        if len(text) > _INLINE_TOKENIZE_CHARS:
+            return await trio.to_thread.run_sync(encode)
+        return encode()
+
+
+def request_id_of(request: Request, given: str | None) -> str:
+    """A request's id: the body's `request_id`, else `X-Request-Id`, else a fresh one."""
+    return given or request.headers.get("x-request-id") or uuid.uuid4().hex

@@ -1,0 +1,188 @@
+"""Response bodies of the OpenAI-compatible API, encoded with msgspec.
+
+Field names and nesting follow OpenAI's (and vLLM's extras: `stop_reason`,
+`prompt_logprobs`), so the official clients parse them. `json_response` encodes one for a
+plain (non-streaming) answer.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+from starlette.responses import Response
+
+
+class UsageInfo(msgspec.Struct, kw_only=True):
+    """Token counts of a request (all prompts and all `n` choices)."""
+
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    total_tokens: int = 0
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> UsageInfo:
+    """A UsageInfo with its total."""
+    return UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                     total_tokens=prompt_tokens + completion_tokens)
+
+
+class PromptLogprob(msgspec.Struct, kw_only=True):
+    """vLLM's prompt-logprob entry (keyed by token id in the position's dict)."""
+
+    logprob: float
+    rank: int | None
+    decoded_token: str | None
+
+
+PromptLogprobs = list[dict[int, PromptLogprob] | None]
+
+
+class CompletionLogprobs(msgspec.Struct, kw_only=True):
+    """OpenAI's legacy completions logprobs (parallel lists, one entry per token)."""
+
+    text_offset: list[int] = msgspec.field(default_factory=list)
+    token_logprobs: list[float | None] = msgspec.field(default_factory=list)
+    tokens: list[str] = msgspec.field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = msgspec.field(default_factory=list)
+
+
+class CompletionChoice(msgspec.Struct, kw_only=True):
+    """One choice of a completion (or a stream chunk's delta of it)."""
+
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    prompt_logprobs: PromptLogprobs | None = None
+
+
+class CompletionResponse(msgspec.Struct, kw_only=True):
+    """A completion, or one chunk of a completion stream (`object` tells which)."""
+
+    id: str
+    object: str = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: UsageInfo | None = None
+
+
+class TopLogprob(msgspec.Struct, kw_only=True):
+    """One candidate of a chat logprob entry."""
+
+    token: str
+    logprob: float
+    bytes: list[int] | None
+
+
+class LogprobEntry(msgspec.Struct, kw_only=True):
+    """The sampled token of one position and its top candidates."""
+
+    token: str
+    logprob: float
+    bytes: list[int] | None
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(msgspec.Struct, kw_only=True):
+    """Chat logprobs: one entry per generated token."""
+
+    content: list[LogprobEntry] | None = None
+
+
+class ChatMessageOut(msgspec.Struct, kw_only=True):
+    """The assistant's message of a chat choice."""
+
+    role: str = "assistant"
+    content: str | None = None
+
+
+class ChatChoice(msgspec.Struct, kw_only=True):
+    """One choice of a chat completion."""
+
+    index: int
+    message: ChatMessageOut
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionResponse(msgspec.Struct, kw_only=True):
+    """A chat completion."""
+
+    id: str
+    object: str = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: UsageInfo
+    prompt_logprobs: PromptLogprobs | None = None
+
+
+class DeltaMessage(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """What a chat stream chunk adds to a choice's message (role only in the first)."""
+
+    role: str | None = None
+    content: str | None = None
+
+
+class ChatStreamChoice(msgspec.Struct, kw_only=True):
+    """One choice's delta in a chat stream chunk."""
+
+    index: int
+    delta: DeltaMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionChunk(msgspec.Struct, kw_only=True):
+    """One chunk of a chat completion stream."""
+
+    id: str
+    object: str = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatStreamChoice]
+    usage: UsageInfo | None = None
+
+
+class ModelCard(msgspec.Struct, kw_only=True):
+    """One entry of `/v1/models`."""
+
+    id: str
+    object: str = "model"
+    created: int
+    owned_by: str = "ringserve"
+    root: str
+    parent: str | None = None
+    max_model_len: int
+
+
+class ModelList(msgspec.Struct, kw_only=True):
+    """`/v1/models`."""
+
+    object: str = "list"
+    data: list[ModelCard]
+
+
+class TokenizeResponse(msgspec.Struct, kw_only=True):
+    """`/tokenize`."""
+
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeResponse(msgspec.Struct, kw_only=True):
+    """`/detokenize`."""
+
+    prompt: str
+
+
+def json_response(body: Any, status: int = 200) -> Response:
+    """A JSON response of a msgspec-encodable body."""
+    return Response(msgspec.json.encode(body), status_code=status, media_type="application/json")
