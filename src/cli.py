@@ -1,8 +1,11 @@
 """The `ringserve` command: subcommands over the library, with one-line errors for mistakes.
 
+`ringserve serve [MODEL]` runs the OpenAI-compatible HTTP server (`ringserve.http.server`);
 `ringserve demo-model PATH` writes the demo model directory; `ringserve bench ipc` and
-`ringserve bench throughput` run the benchmarks of docs/benchmarks.md. A user mistake (bad flag, missing model directory, out-of-range value) prints one
-`ringserve: error: ...` line and exits with status 2, never a traceback.
+`ringserve bench throughput` run the benchmarks of docs/benchmarks.md. A user mistake (bad
+flag, missing model directory, out-of-range value, port in use) prints one
+`ringserve: error: ...` line and exits with status 2, never a traceback; a server whose engine
+died exits with status 1 after one such line.
 """
 
 from __future__ import annotations
@@ -11,10 +14,34 @@ import argparse
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import NoReturn
 
 from ringserve.errors import RingserveError
 
 Handler = Callable[[argparse.Namespace], int]
+
+
+class _Parser(argparse.ArgumentParser):
+    """An ArgumentParser whose usage errors are one `ringserve: error: ...` line."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"ringserve: error: {message} (see: {self.prog} --help)\n")
+
+
+def _serve(ns: argparse.Namespace) -> int:
+    from ringserve.engine.arg_utils import EngineArgs
+    from ringserve.engine.errors import EngineDeadError
+    from ringserve.http import server
+    from ringserve.http.cli_args import settings_from_args
+
+    engine_config = EngineArgs.from_cli_args(ns).create_engine_config()
+    settings = settings_from_args(ns, engine_config)
+    try:
+        server.serve(engine_config, settings)
+    except EngineDeadError as exc:
+        print(f"ringserve: error: the engine died: {exc}", file=sys.stderr)
+        return 1
+    return 0
 
 
 def _demo_model(ns: argparse.Namespace) -> int:
@@ -53,14 +80,23 @@ def _bench_frontend(ns: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     """The top-level parser with every subcommand."""
     from ringserve import __version__
+    from ringserve.engine.arg_utils import EngineArgs
     from ringserve.gpu.testing import PRESETS
+    from ringserve.http.cli_args import add_serve_args
 
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="ringserve",
         description="LLM inference and serving engine (vLLM V1 design on trio and shm rings).",
     )
     parser.add_argument("--version", action="version", version=f"ringserve {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+
+    serve = sub.add_parser("serve", help="run the OpenAI-compatible HTTP server",
+                           description="Serve MODEL (a Hugging Face model directory; default: "
+                           "the demo model) over HTTP/1.1 and HTTP/2 with OpenAI's API.")
+    EngineArgs.add_cli_args(serve, positional_model=True)
+    add_serve_args(serve)
+    serve.set_defaults(handler=_serve)
 
     demo = sub.add_parser("demo-model", help="write a tiny random-weight model directory",
                           description="Write a complete Hugging Face model directory "

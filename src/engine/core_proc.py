@@ -14,7 +14,8 @@ KV blocks and max_model_len, or failed with the reason. Then `run_busy_loop` alt
 the input queue (blocking only when there is no work) and stepping the core, handing outputs to
 the output thread without waiting. An exception in a step is an engine fault: every in-flight
 request ends with finish reason error, a dead notice (utility call id -1) is sent, and the
-process exits with status 1. SIGTERM / SIGINT end the loop and exit 0.
+process exits with status 1. SIGTERM ends the loop and exits 0; SIGINT is ignored (a terminal's
+Ctrl-C reaches the whole process group, and the parent stops the core itself).
 """
 
 from __future__ import annotations
@@ -58,7 +59,7 @@ class _ExecutorFailed:
 
 
 class _Shutdown(Exception):
-    """Raised in the main thread by SIGTERM / SIGINT."""
+    """Raised in the main thread by SIGTERM."""
 
 
 class EngineCoreProc:
@@ -233,7 +234,9 @@ def main(argv: list[str] | None = None) -> int:
     ns = parser.parse_args(argv)
     install_lifeline(ns.lifeline_fd, ns.parent_pid, f"ringserve::EngineCore_DP{ns.engine_index}")
     signal.signal(signal.SIGTERM, _raise_shutdown)
-    signal.signal(signal.SIGINT, _raise_shutdown)
+    # Ctrl-C in a terminal reaches the whole process group; the parent decides when this core
+    # stops (SIGTERM, or the lifeline), so a draining server keeps its engine.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     config = msgspec.msgpack.decode(sys.stdin.buffer.read(), type=EngineConfig)
     executor_class: type[Executor] | None = None
     if ns.executor == "null":
@@ -258,6 +261,7 @@ def main(argv: list[str] | None = None) -> int:
         proc.fail_all(exc)
         status = 1
     finally:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second SIGTERM must not cut close()
         proc.close()
     return status
 

@@ -20,6 +20,7 @@ next step while this one runs (async scheduling).
 from __future__ import annotations
 
 import os
+import signal
 import sys
 import traceback
 from typing import Any
@@ -146,6 +147,8 @@ def main() -> int:
     raw = sys.stdin.buffer.read()
     spec = msgspec.msgpack.decode(raw, type=WorkerSpec)
     install_lifeline(spec.lifeline_fd, spec.parent_pid, f"ringserve::Worker_TP{spec.rank}")
+    # A terminal's Ctrl-C reaches the whole process group; the executor stops its workers.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         serve(spec)
     except (PeerDiedError, RingClosedError):

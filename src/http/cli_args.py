@@ -1,0 +1,121 @@
+"""The flags of `ringserve serve` that belong to the HTTP layer, and `ServeSettings` from them.
+
+`ringserve.cli` adds these next to the engine flags of `EngineArgs.add_cli_args` (which already
+carry `--served-model-name`, `--max-num-queued-reqs`, `--max-num-queued-tokens`,
+`--disable-log-stats` and `--enable-log-requests`), then calls `settings_from_args` once the
+engine configuration exists (the served model name comes from it). Names follow vLLM's
+(`--host`, `--port`, `--api-key`, `--chat-template`, ...). Every bad value raises `ValueError`
+naming the flag, the value and what is allowed, so the CLI prints one line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+from pathlib import Path
+
+from ringserve import envs
+from ringserve.config import EngineConfig
+from ringserve.engine.arg_utils import parse_bytes
+from ringserve.http.settings import DEFAULT_MAX_REQUEST_BODY_BYTES, ServeSettings
+
+_DEFAULTS = ServeSettings()
+
+
+def add_serve_args(parser: argparse.ArgumentParser) -> None:
+    """Add the HTTP-server flags (`--host`, `--port`, `--api-key`, ...) to `parser`."""
+    group = parser.add_argument_group("server")
+    group.add_argument("--host", default=_DEFAULTS.host,
+                       help=f"address to listen on (default: {_DEFAULTS.host})")
+    group.add_argument("--port", type=int, default=_DEFAULTS.port,
+                       help="TCP port to listen on; 0 picks a free one "
+                            f"(default: {_DEFAULTS.port})")
+    group.add_argument("--api-key", default=None,
+                       help="key every /v1 route requires as 'Authorization: Bearer KEY' "
+                            "(default: $RINGSERVE_API_KEY, else open)")
+    group.add_argument("--admin-api-key", default=None,
+                       help="key the control routes (/sleep, /wake_up, /pause, /resume, "
+                            "/reset_prefix_cache) require (default: those routes are refused)")
+    group.add_argument("--chat-template", default=None,
+                       help="chat template: a file path or the Jinja text itself "
+                            "(default: the tokenizer's)")
+    group.add_argument("--certfile", "--ssl-certfile", dest="certfile", default=None,
+                       help="TLS certificate (PEM); with --keyfile serves HTTPS, h2 by ALPN")
+    group.add_argument("--keyfile", "--ssl-keyfile", dest="keyfile", default=None,
+                       help="TLS private key (PEM) for --certfile")
+    group.add_argument("--max-request-body-bytes", type=parse_bytes,
+                       default=DEFAULT_MAX_REQUEST_BODY_BYTES,
+                       help="larger request bodies get 413, e.g. 16MiB "
+                            f"(default: {DEFAULT_MAX_REQUEST_BODY_BYTES})")
+    group.add_argument("--shutdown-timeout", type=float, default=_DEFAULTS.shutdown_timeout,
+                       help="seconds in-flight requests may take to finish after SIGTERM/SIGINT "
+                            f"(default: {_DEFAULTS.shutdown_timeout:g})")
+
+
+def settings_from_args(ns: argparse.Namespace, engine_config: EngineConfig) -> ServeSettings:
+    """Build the frozen `ServeSettings` from the parsed flags.
+
+    Args:
+        ns: the namespace `add_serve_args` (and `EngineArgs.add_cli_args`) filled.
+        engine_config: the engine's configuration (served model name, request logging).
+
+    Raises:
+        ValueError: a flag's value is not allowed (the message names the flag).
+    """
+    if not 0 <= ns.port <= 65535:
+        raise ValueError(f"--port: got {ns.port}, allowed: 0..65535")
+    if not ns.host:
+        raise ValueError("--host: got an empty string, allowed: an address or host name")
+    if ns.max_request_body_bytes < 1:
+        raise ValueError(f"--max-request-body-bytes: got {ns.max_request_body_bytes}, "
+                         "allowed: a byte count >= 1")
+    if not (math.isfinite(ns.shutdown_timeout) and ns.shutdown_timeout >= 0):
+        raise ValueError(f"--shutdown-timeout: got {ns.shutdown_timeout}, allowed: seconds >= 0")
+    certfile, keyfile = _tls_files(ns.certfile, ns.keyfile)
+    return ServeSettings(
+        host=ns.host,
+        port=ns.port,
+        served_model_name=engine_config.model_config.served_model_name,
+        api_key=ns.api_key if ns.api_key is not None else envs.api_key(),
+        admin_api_key=ns.admin_api_key or None,
+        chat_template=resolve_chat_template(ns.chat_template),
+        max_request_body_bytes=ns.max_request_body_bytes,
+        shutdown_timeout=ns.shutdown_timeout,
+        certfile=certfile,
+        keyfile=keyfile,
+        enable_log_requests=engine_config.observability_config.enable_log_requests,
+    )
+
+
+def resolve_chat_template(value: str | None) -> str | None:
+    """The template text for `--chat-template` (a file path or the template itself).
+
+    As in vLLM: an existing file is read; a value holding any of `{`, `}` or a newline is
+    the template itself; anything else is taken for a mistyped path.
+
+    Raises:
+        ValueError: the value looks like a path but no such file exists, or it cannot be read.
+    """
+    if value is None:
+        return None
+    path = Path(value)
+    if path.is_file():
+        try:
+            return path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ValueError(f"--chat-template: cannot read {value}: {exc}") from None
+    if any(ch in value for ch in "{}\n"):
+        return value
+    raise ValueError(f"--chat-template: {value!r} is not a file, nor a Jinja template "
+                     "(allowed: a path to a template file, or the template text)")
+
+
+def _tls_files(certfile: str | None, keyfile: str | None) -> tuple[str | None, str | None]:
+    if (certfile is None) != (keyfile is None):
+        given, missing = ("--certfile", "--keyfile") if keyfile is None else ("--keyfile",
+                                                                             "--certfile")
+        raise ValueError(f"{given} needs {missing} too (TLS takes a certificate and its key)")
+    for flag, name in (("--certfile", certfile), ("--keyfile", keyfile)):
+        if name is not None and not Path(name).is_file():
+            raise ValueError(f"{flag}: no such file: {name}")
+    return certfile, keyfile
