@@ -316,11 +316,15 @@ _FLAG_SPECS: tuple[_FlagSpec, ...] = (
     _FlagSpec("disable_log_stats", "turn off the periodic stats log line", boolean=True),
     _FlagSpec("log_stats_interval", "seconds between stats log lines", float),
     _FlagSpec("enable_log_requests", "log each request", boolean=True),
-    _FlagSpec("enable_mfu_metrics", "export estimated FLOPs", boolean=True),
-    _FlagSpec("enable_fault_tolerance", "abort and await retry when a worker fails", boolean=True),
-    _FlagSpec("engine_recovery_timeout_sec", "seconds to wait for a retry/abort instruction", float),
-    _FlagSpec("execute_model_timeout_s", "a step slower than this is a fault", float),
-    _FlagSpec("fault_tolerance_auto_retry", "retries without an operator", int),
+    _FlagSpec("enable_mfu_metrics", "export estimated FLOPs (metrics issue: not active yet)",
+              boolean=True),
+    _FlagSpec("enable_fault_tolerance", "abort and await retry when a worker fails (not active "
+              "yet: today a worker fault fails every request and stops the engine)", boolean=True),
+    _FlagSpec("engine_recovery_timeout_sec", "seconds to wait for a retry/abort instruction "
+              "(not active yet)", float),
+    _FlagSpec("execute_model_timeout_s", "a step slower than this is a fault (not active yet)",
+              float),
+    _FlagSpec("fault_tolerance_auto_retry", "retries without an operator (not active yet)", int),
     _FlagSpec("max_num_queued_reqs", "admission limit on requests (503 beyond)", int),
     _FlagSpec("max_num_queued_tokens", "admission limit on prompt tokens in prefill", int),
 )
