@@ -20,6 +20,7 @@ import sys
 import tempfile
 import threading
 import time
+from concurrent.futures import Future
 from typing import Any
 
 import msgspec
@@ -66,18 +67,35 @@ class CoreProcess:
             "--output-addr", output_addr, "--lifeline-fd", str(self.lifeline.child_fd),
             "--parent-pid", str(os.getpid()), "--executor", executor,
         ]
-        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, pass_fds=(self.lifeline.child_fd,))
-        self.lifeline.child_started()
-        assert self.proc.stdin is not None  # stdin=PIPE
-        self.proc.stdin.write(msgspec.msgpack.encode(config))
-        self.proc.stdin.close()
         self.exited = threading.Event()
-        self._watcher = threading.Thread(target=self._watch, daemon=True,
-                                         name=f"ringserve-core{engine_index}-watch")
+        started: Future[subprocess.Popen[bytes]] = Future()
+        # The child is forked by a thread that lives exactly as long as the child: Linux sends
+        # PR_SET_PDEATHSIG when the *forking thread* exits, so forking from a short-lived
+        # thread (trio's to_thread cache retires idle threads after ~10 s) would kill the core.
+        self._watcher = threading.Thread(
+            target=self._spawn_and_watch, args=(cmd, msgspec.msgpack.encode(config), started),
+            daemon=True, name=f"ringserve-core{engine_index}-watch")
         self._watcher.start()
+        self.proc = started.result()
+        self.lifeline.child_started()
 
-    def _watch(self) -> None:
-        self.proc.wait()
+    def _spawn_and_watch(self, cmd: list[str], config: bytes,
+                         started: Future[subprocess.Popen[bytes]]) -> None:
+        try:
+            proc = subprocess.Popen(cmd, stdin=subprocess.PIPE,
+                                    pass_fds=(self.lifeline.child_fd,))
+        except BaseException as exc:
+            started.set_exception(exc)
+            self.exited.set()
+            return
+        started.set_result(proc)
+        assert proc.stdin is not None  # stdin=PIPE
+        try:
+            proc.stdin.write(config)
+            proc.stdin.close()
+        except BrokenPipeError:
+            pass  # it died at once; wait() says how
+        proc.wait()
         self.exited.set()
 
     @property
