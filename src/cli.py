@@ -1,8 +1,9 @@
 """The `ringserve` command: subcommands over the library, with one-line errors for mistakes.
 
 `ringserve serve [MODEL]` runs the OpenAI-compatible HTTP server (`ringserve.http.server`);
-`ringserve demo-model PATH` writes the demo model directory; `ringserve bench ipc` and
-`ringserve bench throughput` run the benchmarks of docs/benchmarks.md. A user mistake (bad
+`ringserve demo-model PATH` writes the demo model directory; `ringserve bench ipc`,
+`ringserve bench throughput`, `ringserve bench frontend` and `ringserve bench serve` run the
+benchmarks of docs/benchmarks.md. A user mistake (bad
 flag, missing model directory, out-of-range value, port in use) prints one
 `ringserve: error: ...` line and exits with status 2, never a traceback; a server whose engine
 died exits with status 1 after one such line.
@@ -77,6 +78,12 @@ def _bench_frontend(ns: argparse.Namespace) -> int:
     return bench_frontend.main(list(ns.passthrough))
 
 
+def _bench_serve(ns: argparse.Namespace) -> int:
+    from ringserve.http import bench_serve
+
+    return bench_serve.main(list(ns.passthrough))
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The top-level parser with every subcommand."""
     from ringserve import __version__
@@ -120,6 +127,10 @@ def build_parser() -> argparse.ArgumentParser:
         "frontend", add_help=False,
         help="detokenize + stop check + collector per token vs re-decoding each step")
     frontend.set_defaults(handler=_bench_frontend, passthrough_ok=True)
+    serve_bench = bench_sub.add_parser(
+        "serve", add_help=False,
+        help="load-test an OpenAI-compatible server (vllm bench serve's flags and report)")
+    serve_bench.set_defaults(handler=_bench_serve, passthrough_ok=True)
     return parser
 
 
