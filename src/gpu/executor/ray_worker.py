@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import os
 import socket
-import traceback
 from collections.abc import Sequence
 from typing import Any
 
@@ -32,7 +31,8 @@ import msgspec
 import zmq
 
 from ringserve.config import EngineConfig
-from ringserve.gpu.executor.wire import FrameKind, RpcReply, RpcRequest, StepError
+from ringserve.gpu.executor.wire import FrameKind, RpcRequest
+from ringserve.gpu.executor.worker_calls import rpc_reply, step_reply
 from ringserve.serial import Buffer, MsgpackDecoder, MsgpackEncoder
 
 HELLO = b"hello"
@@ -79,10 +79,6 @@ def free_port(host: str) -> int:
         return int(sock.getsockname()[1])
 
 
-def _describe(exc: BaseException) -> str:
-    return f"{type(exc).__name__}: {exc}"
-
-
 class StepLoop:
     """Serves one rank's sockets: decodes steps and calls, runs the worker, replies.
 
@@ -118,27 +114,13 @@ class StepLoop:
                 raise ValueError(f"worker {self.rank}: unknown message kind {kind}")
 
     def _step(self, so: Any) -> None:
-        try:
-            output = self.worker.execute_model(so)
-        except Exception as exc:
-            error = StepError(so.step_id, self.rank, _describe(exc), traceback.format_exc())
-            send_message(self.outbox, FrameKind.STEP_ERROR, self._encoder.encode(error))
-            return
-        if self.rank == 0:
-            send_message(self.outbox, FrameKind.OUTPUT, self._encoder.encode(output))
+        reply = step_reply(self.worker, self.rank, so, self._encoder)
+        if reply is not None:
+            send_message(self.outbox, reply[0], reply[1])
 
     def _rpc(self, request: RpcRequest) -> None:
-        reply = RpcReply(request.call_id, self.rank)
-        try:
-            if request.method.startswith("_"):
-                raise AttributeError(f"{request.method!r} is private; only public methods")
-            reply.value = getattr(self.worker, request.method)(*request.args)
-            bufs = self._encoder.encode(reply)
-        except Exception as exc:
-            reply.value = None
-            reply.error = _describe(exc)
-            bufs = self._encoder.encode(reply)
-        send_message(self.outbox, FrameKind.RPC_REPLY, bufs)
+        send_message(self.outbox, FrameKind.RPC_REPLY,
+                rpc_reply(self.worker, self.rank, request, self._encoder))
 
 
 class RayWorker:

@@ -22,27 +22,21 @@ from __future__ import annotations
 import os
 import signal
 import sys
-import traceback
 from typing import Any
 
 import msgspec
 
 from ringserve.gpu.executor.wire import (
     FrameKind,
-    RpcReply,
     RpcRequest,
-    StepError,
     WorkerSpec,
     read_buffers,
     write_message,
 )
+from ringserve.gpu.executor.worker_calls import rpc_reply, step_reply
 from ringserve.lifeline import install_lifeline
 from ringserve.serial import MsgpackDecoder, MsgpackEncoder
 from ringserve.shm import PeerDiedError, RingClosedError, RingReader, RingWriter
-
-
-def _describe(exc: BaseException) -> str:
-    return f"{type(exc).__name__}: {exc}"
 
 
 class WorkerLoop:
@@ -86,27 +80,13 @@ class WorkerLoop:
                 raise ValueError(f"worker {self.rank}: unknown frame kind {kind}")
 
     def _step(self, so: Any) -> None:
-        try:
-            output = self.worker.execute_model(so)
-        except Exception as exc:
-            error = StepError(so.step_id, self.rank, _describe(exc), traceback.format_exc())
-            write_message(self.out, FrameKind.STEP_ERROR, self._encoder.encode(error))
-            return
-        if self.rank == 0:
-            write_message(self.out, FrameKind.OUTPUT, self._encoder.encode(output))
+        reply = step_reply(self.worker, self.rank, so, self._encoder)
+        if reply is not None:
+            write_message(self.out, reply[0], reply[1])
 
     def _rpc(self, request: RpcRequest) -> None:
-        reply = RpcReply(request.call_id, self.rank)
-        try:
-            if request.method.startswith("_"):
-                raise AttributeError(f"{request.method!r} is private; only public methods")
-            reply.value = getattr(self.worker, request.method)(*request.args)
-            bufs = self._encoder.encode(reply)
-        except Exception as exc:
-            reply.value = None
-            reply.error = _describe(exc)
-            bufs = self._encoder.encode(reply)
-        write_message(self.out, FrameKind.RPC_REPLY, bufs)
+        write_message(self.out, FrameKind.RPC_REPLY,
+                rpc_reply(self.worker, self.rank, request, self._encoder))
 
 
 def _limit_cpu_threads(spec: WorkerSpec) -> None:

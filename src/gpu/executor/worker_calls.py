@@ -1,0 +1,46 @@
+"""What a worker does with a step or an RPC, whatever transport brought it.
+
+Shared by the mp executor's worker processes (`worker_proc.py`, shm rings) and the Ray actors
+(`ray_worker.py`, zmq over TCP): both decode a frame, call one of these, and send the frame
+kind and buffers it returns through their own transport.
+"""
+
+from __future__ import annotations
+
+import traceback
+from typing import Any
+
+from ringserve.gpu.executor.wire import FrameKind, RpcReply, RpcRequest, StepError
+from ringserve.serial import Buffer, MsgpackEncoder
+
+
+def describe(exc: BaseException) -> str:
+    """`Type: message`, as error frames carry it."""
+    return f"{type(exc).__name__}: {exc}"
+
+
+def step_reply(worker: Any, rank: int, scheduler_output: Any,
+               encoder: MsgpackEncoder) -> tuple[FrameKind, list[Buffer]] | None:
+    """Run one step; the frame to send back (rank 0's output, or any rank's error), if any."""
+    try:
+        output = worker.execute_model(scheduler_output)
+    except Exception as exc:
+        error = StepError(scheduler_output.step_id, rank, describe(exc), traceback.format_exc())
+        return FrameKind.STEP_ERROR, encoder.encode(error)
+    if rank == 0:
+        return FrameKind.OUTPUT, encoder.encode(output)
+    return None
+
+
+def rpc_reply(worker: Any, rank: int, request: RpcRequest, encoder: MsgpackEncoder) -> list[Buffer]:
+    """Call a public worker method; the encoded reply (its value, or why it failed)."""
+    reply = RpcReply(request.call_id, rank)
+    try:
+        if request.method.startswith("_"):
+            raise AttributeError(f"{request.method!r} is private; only public methods")
+        reply.value = getattr(worker, request.method)(*request.args)
+        return encoder.encode(reply)
+    except Exception as exc:
+        reply.value = None
+        reply.error = describe(exc)
+        return encoder.encode(reply)
