@@ -316,7 +316,8 @@ _FLAG_SPECS: tuple[_FlagSpec, ...] = (
     _FlagSpec("disable_log_stats", "turn off the periodic stats log line", boolean=True),
     _FlagSpec("log_stats_interval", "seconds between stats log lines", float),
     _FlagSpec("enable_log_requests", "log each request", boolean=True),
-    _FlagSpec("enable_mfu_metrics", "export estimated FLOPs (metrics issue: not active yet)",
+    _FlagSpec("enable_mfu_metrics", "export analytic FLOPs per GPU "
+              "(ringserve:estimated_flops_per_gpu_total) and log TF/s",
               boolean=True),
     _FlagSpec("enable_fault_tolerance", "abort and await retry when a worker fails (not active "
               "yet: today a worker fault fails every request and stops the engine)", boolean=True),

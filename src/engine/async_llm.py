@@ -37,8 +37,11 @@ from ringserve.engine.errors import (
 )
 from ringserve.engine.input_processor import InputProcessor, PromptType
 from ringserve.engine.llm_engine import load_tokenizer
+from ringserve.engine.metrics_reader import Metric
 from ringserve.engine.output_processor import OutputProcessor
 from ringserve.engine.parent_request import ParentRequest
+from ringserve.engine.stat_loggers import StatLoggerFactory, StatLoggerManager
+from ringserve.engine.stats import IterationStats
 from ringserve.engine.wire import EngineCoreRequest
 from ringserve.outputs import RequestOutput
 from ringserve.sampling_params import SamplingParams
@@ -53,9 +56,11 @@ class AsyncLLM:
     Args:
         config: the engine configuration.
         executor: "default", or "null" / "null-mp" (no model; benchmarks and tests).
+        stat_loggers: extra per-engine stat logger factories (besides the entry points).
     """
 
-    def __init__(self, config: EngineConfig, executor: str = "default") -> None:
+    def __init__(self, config: EngineConfig, executor: str = "default",
+                 stat_loggers: list[StatLoggerFactory] | None = None) -> None:
         self.config = config
         self.tokenizer = load_tokenizer(config)
         self.input_processor = InputProcessor(config.model_config, self.tokenizer)
@@ -68,6 +73,9 @@ class AsyncLLM:
         self._stop: trio.CancelScope | None = None
         self._errored: BaseException | None = None
         self._nursery_cm: Any = None
+        self._stat_logger_factories = stat_loggers
+        # Built by run() when stats are on (not --disable-log-stats); None otherwise.
+        self.stat_loggers: StatLoggerManager | None = None
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs, **kwargs: Any) -> AsyncLLM:
@@ -85,14 +93,25 @@ class AsyncLLM:
         client_cls = (DPLBAsyncMPClient if self.config.parallel_config.data_parallel_size > 1
                       else AsyncMPClient)
         self.client = await client_cls.create(self.config, self._executor)
+        obs = self.config.observability_config
+        if not obs.disable_log_stats:
+            self.stat_loggers = StatLoggerManager(
+                self.config, list(range(self.config.parallel_config.data_parallel_size)),
+                custom_factories=self._stat_logger_factories)
+            self.stat_loggers.log_engine_initialized()
         try:
             with trio.CancelScope() as self._stop:
                 async with trio.open_nursery() as nursery:
                     nursery.start_soon(self._watch_cores, nursery.cancel_scope)
+                    if self.stat_loggers is not None:
+                        nursery.start_soon(self._log_stats_loop, self.stat_loggers,
+                                           obs.log_stats_interval)
                     task_status.started()
                     await self._output_handler()
         finally:
             self.client.shutdown()
+            if self.stat_loggers is not None:
+                self.stat_loggers.shutdown()
         if self._errored is not None:
             raise self._errored
 
@@ -144,6 +163,8 @@ class AsyncLLM:
 
     def _fail_all(self, error: EngineDeadError) -> None:
         self._errored = self._errored or error
+        if self.stat_loggers is not None:
+            self.stat_loggers.record_health(False)
         self.output_processor.propagate_error(error)
 
     # -- output handling -----------------------------------------------------------------------
@@ -153,25 +174,38 @@ class AsyncLLM:
         assert client is not None  # set by run()
         processor = self.output_processor
         chunk = envs.output_proc_chunk_size()
+        stat_loggers = self.stat_loggers
         try:
             while True:
-                outputs = (await client.get_output()).outputs
+                batch = await client.get_output()
+                outputs = batch.outputs
+                iteration_stats = IterationStats() if stat_loggers is not None else None
                 for start in range(0, len(outputs), chunk):
                     # Yield before every chunk: get_output() does not yield when batches are
                     # already queued, so without this a backlog would be folded in one go.
                     await trio.lowlevel.checkpoint()
-                    processed = processor.process_outputs(outputs[start:start + chunk])
+                    processed = processor.process_outputs(outputs[start:start + chunk],
+                                                          batch.timestamp, iteration_stats)
                     if processed.reqs_to_abort:
                         await client.abort_requests(processed.reqs_to_abort)
                     for out in outputs[start:start + chunk]:
                         if out.finish_reason is not None:
                             client.request_finished(out.request_id)
+                if stat_loggers is not None:
+                    stat_loggers.record(batch.scheduler_stats, iteration_stats,
+                                        batch.engine_index)
         except EngineDeadError as exc:
             # Fail every pending request now; run() re-raises after the nursery has closed
             # (raising here would arrive wrapped in an exception group).
             self._fail_all(exc)
             if self._stop is not None:
                 self._stop.cancel()
+
+    @staticmethod
+    async def _log_stats_loop(stat_loggers: StatLoggerManager, interval: float) -> None:
+        while True:
+            await trio.sleep(interval)
+            stat_loggers.log()
 
     # -- requests ------------------------------------------------------------------------------
 
@@ -291,7 +325,15 @@ class AsyncLLM:
 
     async def call_utility(self, method: str, *args: Any) -> list[Any]:
         """Call a utility on every engine core; results in core order."""
-        return await self._live_client().call_utility(method, *args)
+        results = await self._live_client().call_utility(method, *args)
+        if self.stat_loggers is not None and method in ("sleep", "wake_up"):
+            level = (int(args[0]) if args else 1) if method == "sleep" else 0
+            self.stat_loggers.record_sleep_state(level)
+        return results
+
+    def get_metrics(self) -> list[Metric]:
+        """A snapshot of this engine's Prometheus series (empty while stats are off)."""
+        return self.stat_loggers.get_metrics() if self.stat_loggers is not None else []
 
     async def reset_prefix_cache(self) -> None:
         """Drop cached prefix blocks on every core."""

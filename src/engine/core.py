@@ -19,6 +19,7 @@ from typing import Any, Literal
 import msgspec
 
 from ringserve.config import EngineConfig
+from ringserve.engine.flops import ModelFlops
 from ringserve.engine.scheduler import Scheduler
 from ringserve.engine.wire import EngineCoreOutputs, EngineCoreRequest, FinishReason, SchedulerStats
 from ringserve.gpu.executor.base import Executor
@@ -86,6 +87,10 @@ class EngineCore:
         self.pause_mode: PauseMode | None = None
         self._held: list[EngineCoreRequest] = []  # requests that arrived while paused/asleep
         self.sleep_level = 0
+        obs = config.observability_config
+        # Analytic FLOPs per step, shipped to the frontend in SchedulerStats.
+        self.flops = (ModelFlops.from_config(config)
+                      if obs.enable_mfu_metrics and not obs.disable_log_stats else None)
 
     # -- requests ------------------------------------------------------------------------------
 
@@ -119,7 +124,7 @@ class EngineCore:
         if not self._may_schedule():
             return self.scheduler.take_pending_outputs(), False
         timings, t0 = self.timings, time.perf_counter()
-        scheduler_output = self.scheduler.schedule()
+        scheduler_output = self._schedule()
         if not _worth_sending(scheduler_output):
             return self.scheduler.take_pending_outputs(), False
         t1 = time.perf_counter()
@@ -132,6 +137,12 @@ class EngineCore:
         timings["steps"] += 1
         return outputs, True
 
+    def _schedule(self) -> SchedulerOutput:
+        scheduler_output = self.scheduler.schedule()
+        if self.flops is not None:
+            self.scheduler.pending_flops += self.flops.step_flops(scheduler_output)
+        return scheduler_output
+
     def step_with_batch_queue(self) -> tuple[dict[int, EngineCoreOutputs] | None, bool]:
         """Keep up to `batch_queue_size` steps in flight; returns outputs of the oldest.
 
@@ -142,7 +153,7 @@ class EngineCore:
         submitted = False
         if len(queue) < self.batch_queue_size and self._may_schedule():
             t0 = time.perf_counter()
-            scheduler_output = self.scheduler.schedule()
+            scheduler_output = self._schedule()
             timings["schedule"] += time.perf_counter() - t0
             if _worth_sending(scheduler_output):
                 future = self.executor.execute_model(scheduler_output, non_block=True)

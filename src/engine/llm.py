@@ -20,6 +20,7 @@ from typing import Any
 from ringserve.engine.arg_utils import DEMO_MODEL, EngineArgs
 from ringserve.engine.input_processor import PromptType, TokensPrompt
 from ringserve.engine.llm_engine import LLMEngine
+from ringserve.engine.metrics_reader import Metric
 from ringserve.outputs import RequestOutput
 from ringserve.sampling_params import RequestOutputKind, SamplingParams
 
@@ -70,6 +71,11 @@ class LLM:
     def wake_up(self) -> None:
         """Restore what `sleep` freed."""
         self.llm_engine.call_utility("wake_up")
+
+    def get_metrics(self) -> list[Metric]:
+        """A snapshot of the engine's metrics (the `ringserve:` Prometheus series) as
+        `Counter` / `Gauge` / `Histogram` dataclasses; empty with `disable_log_stats=True`."""
+        return self.llm_engine.get_metrics()
 
     def reset_prefix_cache(self) -> bool:
         """Drop every cached prefix block that no request uses."""

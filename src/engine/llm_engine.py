@@ -6,6 +6,7 @@ outputs -> the output processor -> RequestOutputs; stop-string hits are aborted 
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import msgspec
@@ -15,8 +16,11 @@ from ringserve.config import EngineConfig
 from ringserve.engine.arg_utils import EngineArgs
 from ringserve.engine.core_client import EngineCoreClient, InprocClient
 from ringserve.engine.input_processor import InputProcessor, PromptType
+from ringserve.engine.metrics_reader import Metric
 from ringserve.engine.output_processor import OutputProcessor
 from ringserve.engine.parent_request import ParentRequest
+from ringserve.engine.stat_loggers import StatLoggerManager
+from ringserve.engine.stats import IterationStats
 from ringserve.engine.wire import EngineCoreRequest
 from ringserve.gpu.executor.base import Executor
 from ringserve.outputs import RequestOutput
@@ -60,6 +64,10 @@ class LLMEngine:
         self.input_processor = InputProcessor(config.model_config, self.tokenizer)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.engine_core = client if client is not None else _make_client(config, executor_class)
+        obs = config.observability_config
+        self.stat_loggers = None if obs.disable_log_stats else StatLoggerManager(config)
+        self._log_interval = obs.log_stats_interval
+        self._next_log_time = time.monotonic() + self._log_interval
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs, **kwargs: Any) -> LLMEngine:
@@ -111,10 +119,23 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Run the core until it produces outputs; returns the RequestOutputs they make."""
         outputs = self.engine_core.get_output()
-        processed = self.output_processor.process_outputs(outputs.outputs)
+        stat_loggers = self.stat_loggers
+        iteration_stats = IterationStats() if stat_loggers is not None else None
+        processed = self.output_processor.process_outputs(outputs.outputs, outputs.timestamp,
+                                                          iteration_stats)
         if processed.reqs_to_abort:
             self.engine_core.abort_requests(processed.reqs_to_abort)
+        if stat_loggers is not None:
+            stat_loggers.record(outputs.scheduler_stats, iteration_stats, outputs.engine_index)
+            if iteration_stats is not None and iteration_stats.iteration_timestamp >= (
+                    self._next_log_time):
+                self._next_log_time = iteration_stats.iteration_timestamp + self._log_interval
+                stat_loggers.log()
         return processed.request_outputs
+
+    def get_metrics(self) -> list[Metric]:
+        """A snapshot of this engine's Prometheus series (empty while stats are off)."""
+        return self.stat_loggers.get_metrics() if self.stat_loggers is not None else []
 
     def has_unfinished_requests(self) -> bool:
         """True while any request is in flight."""
@@ -126,8 +147,14 @@ class LLMEngine:
 
     def call_utility(self, method: str, *args: Any) -> Any:
         """Call an engine-core utility (reset_prefix_cache, pause, ...)."""
-        return self.engine_core.call_utility(method, *args)
+        result = self.engine_core.call_utility(method, *args)
+        if self.stat_loggers is not None and method in ("sleep", "wake_up"):
+            level = (int(args[0]) if args else 1) if method == "sleep" else 0
+            self.stat_loggers.record_sleep_state(level)
+        return result
 
     def shutdown(self) -> None:
         """Stop the engine core; idempotent."""
         self.engine_core.shutdown()
+        if self.stat_loggers is not None:
+            self.stat_loggers.shutdown()

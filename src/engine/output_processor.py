@@ -16,6 +16,7 @@ from typing import Any
 from ringserve.engine.detokenizer import IncrementalDetokenizer
 from ringserve.engine.logprobs import LogprobsAccumulator
 from ringserve.engine.parent_request import ParentRequest
+from ringserve.engine.stats import IterationStats, RequestStateStats
 from ringserve.engine.wire import EngineCoreOutput, EngineCoreRequest, FinishReason
 from ringserve.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from ringserve.sampling_params import RequestOutputKind
@@ -46,6 +47,9 @@ class RequestState:
                                                               params)
         self.logprobs = LogprobsAccumulator(tokenizer, params.logprobs, params.prompt_logprobs)
         self.metrics = RequestMetrics(arrival_time=request.arrival_time)
+        self.stats = RequestStateStats.from_wall_arrival(request.arrival_time)
+        self.max_tokens_param = params.max_tokens
+        self.n_param = parent.params.n if parent is not None else params.n
         self.num_cached_tokens = 0
         self.finish_reason: FinishReason | None = None
         self.stop_reason: int | str | None = None
@@ -209,23 +213,41 @@ class OutputProcessor:
         """Number of tracked (child) requests."""
         return len(self.request_states)
 
-    def process_outputs(self, outputs: list[EngineCoreOutput]) -> ProcessedOutputs:
+    def process_outputs(
+        self,
+        outputs: list[EngineCoreOutput],
+        engine_core_timestamp: float = 0.0,
+        iteration_stats: IterationStats | None = None,
+    ) -> ProcessedOutputs:
         """Fold one batch of core outputs into request states and build RequestOutputs.
 
         Outputs of requests no longer tracked (aborted meanwhile) are dropped. Requests with
         a queue get their RequestOutput put there; others are returned.
+
+        Args:
+            outputs: the batch (or a chunk of it).
+            engine_core_timestamp: the batch's `EngineCoreOutputs.timestamp` (token times).
+            iteration_stats: filled with this batch's token counts and latencies, when given.
         """
         result = ProcessedOutputs()
         for out in outputs:
             state = self.request_states.get(out.request_id)
             if state is None:
                 continue
+            if iteration_stats is not None:
+                iteration_stats.update_from_output(
+                    len(out.new_token_ids), out.events, engine_core_timestamp, state.prefilling,
+                    len(state.prompt_token_ids), state.stats)
             if state.apply(out):
                 result.reqs_to_abort.append(out.request_id)
             if out.new_token_ids:
                 self._end_prefill(state)
             request_output = self._make_output(state, out.new_token_ids)
             if state.finished:
+                if iteration_stats is not None and state.finish_reason is not None:
+                    iteration_stats.update_from_finished_request(
+                        state.finish_reason, len(state.prompt_token_ids), state.max_tokens_param,
+                        state.n_param, state.stats)
                 self._forget(state)
             if request_output is None:
                 continue

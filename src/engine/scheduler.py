@@ -130,6 +130,8 @@ class Scheduler(OutputMixin):
         self.requests: dict[str, Request] = {}
         self._step_id = 0
         self._num_preemptions = 0
+        # FLOPs of steps scheduled since the last make_stats() (the core adds them; MFU metrics).
+        self.pending_flops = 0.0
         # Finished since the last schedule(): workers drop their state.
         self._finished_req_ids: list[str] = []
         # Outputs produced between steps (admission errors, notified aborts), per client.
@@ -473,6 +475,7 @@ class Scheduler(OutputMixin):
         _, queries, hits = self.kv_cache_manager.take_stats()
         preemptions = self._num_preemptions
         self._num_preemptions = 0
+        flops, self.pending_flops = self.pending_flops, 0.0
         return SchedulerStats(
             num_running_reqs=len(self.running),
             num_waiting_reqs=len(self.waiting),
@@ -481,6 +484,7 @@ class Scheduler(OutputMixin):
             prefix_cache_hits=hits,
             num_preemptions=preemptions,
             step_counter=self._step_id,
+            estimated_flops=flops,
         )
 
     def check_invariants(self) -> None:

@@ -149,7 +149,11 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=F
 
 
 class SchedulerStats(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
-    """Scheduler state snapshot sent with an output batch (for logging and Prometheus)."""
+    """Scheduler state snapshot sent with an output batch (for logging and Prometheus).
+
+    Counts named for events (prefix-cache queries and hits, preemptions, estimated FLOPs) are
+    deltas since the previous snapshot; the frontend's counters add them up.
+    """
 
     num_running_reqs: int = 0
     num_waiting_reqs: int = 0
@@ -159,6 +163,8 @@ class SchedulerStats(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
     num_preemptions: int = 0
     step_counter: int = 0
     current_wave: int = 0
+    # Appended fields (array_like: order is the wire format; only append at the end).
+    estimated_flops: float = 0.0  # per GPU, of the steps scheduled since the previous stats
 
 
 # `UtilityOutput.call_id` of a core's dead notice (an engine fault; the core exits next).

@@ -155,11 +155,11 @@ async def test_thousand_streams_are_processed_in_bounded_chunks(
     current = 0
     original = OutputProcessor.process_outputs
 
-    def counting(self: OutputProcessor, outputs: list[Any]) -> Any:
+    def counting(self: OutputProcessor, outputs: list[Any], *rest: Any) -> Any:
         nonlocal current, largest_run
         current += len(outputs)
         largest_run = max(largest_run, current)
-        return original(self, outputs)
+        return original(self, outputs, *rest)
 
     class ResetOnYield(trio.abc.Instrument):
         def after_task_step(self, task: trio.lowlevel.Task) -> None:

@@ -1,0 +1,244 @@
+"""`PrometheusStatLogger`: scheduler and iteration stats as `ringserve:` Prometheus families.
+
+Names, types and buckets mirror vLLM's V1 metrics (`vllm:` -> `ringserve:`), labelled with
+`model_name` and `engine` (the data-parallel rank). The `StatLoggerManager` owns one for all
+engines of a frontend; the HTTP server's `/metrics` serves the default registry.
+
+Prometheus families are process-global, yet tests (and a process that restarts its engine)
+build several engines in one process. So each logger keeps its families in its own
+`CollectorRegistry`, and one `_LiveRegistries` collector, registered in the default registry
+once per process, yields the families of every live logger (merged by name). `shutdown()`
+drops a logger from it; a new logger never collides with an old one.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.metrics_core import Metric
+from prometheus_client.registry import Collector
+
+from ringserve.config import EngineConfig
+from ringserve.engine.stats import IterationStats
+from ringserve.engine.wire import FinishReason, SchedulerStats
+
+TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
+                5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0]
+ITL_BUCKETS = [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0,
+               7.5, 10.0, 20.0, 40.0, 80.0]
+LATENCY_BUCKETS = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
+                   60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0]
+N_BUCKETS = [1.0, 2.0, 5.0, 10.0, 20.0]
+SLEEP_STATES = ("awake", "kv_cache_freed", "weights_freed")  # by sleep level 0, 1, 2
+
+
+def build_1_2_5_buckets(max_value: int) -> list[float]:
+    """1, 2, 5, 10, 20, 50, ... up to `max_value` (vLLM's token-count buckets)."""
+    buckets: list[float] = []
+    exponent = 0
+    while True:
+        for mantissa in (1, 2, 5):
+            value = mantissa * 10**exponent
+            if value > max_value:
+                return buckets
+            buckets.append(float(value))
+        exponent += 1
+
+
+def build_iteration_buckets(max_num_batched_tokens: int) -> list[float]:
+    """1, 8, 16, 32, ... doubling up to `max_num_batched_tokens` (tokens per step)."""
+    buckets = [1.0, 8.0]
+    value = 16
+    while value < max_num_batched_tokens:
+        buckets.append(float(value))
+        value *= 2
+    buckets.append(float(max(max_num_batched_tokens, 9)))
+    return buckets
+
+
+class _LiveRegistries(Collector):
+    """Yields the families of every live logger's registry, merged by family name."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._registries: list[CollectorRegistry] = []
+        self._registered = False
+
+    def add(self, registry: CollectorRegistry) -> None:
+        with self._lock:
+            self._registries.append(registry)
+            if not self._registered:
+                REGISTRY.register(self)
+                self._registered = True
+
+    def remove(self, registry: CollectorRegistry) -> None:
+        with self._lock:
+            if registry in self._registries:
+                self._registries.remove(registry)
+
+    def collect(self) -> Iterable[Metric]:
+        with self._lock:
+            registries = list(self._registries)
+        merged: dict[str, Metric] = {}
+        for registry in registries:
+            for family in registry.collect():
+                known = merged.get(family.name)
+                if known is None:
+                    merged[family.name] = family
+                else:
+                    known.samples.extend(family.samples)
+        return list(merged.values())
+
+    def describe(self) -> Iterable[Metric]:
+        return []  # families come and go with engines; never checked for clashes
+
+
+_LIVE = _LiveRegistries()
+
+
+class PrometheusStatLogger:
+    """Publishes stats of one frontend's engines as Prometheus families.
+
+    Args:
+        config: the engine configuration (model name, token limits for buckets).
+        engine_indexes: the data-parallel ranks (one `engine` label value each).
+    """
+
+    def __init__(self, config: EngineConfig, engine_indexes: list[int]) -> None:
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.engine_indexes = list(engine_indexes)
+        self._model_name = config.model_config.served_model_name
+        max_len = config.model_config.max_model_len
+        batched = config.scheduler_config.max_num_batched_tokens
+        self._families: dict[str, Any] = {}
+        gauge, counter, hist = self._gauge, self._counter, self._histogram
+        gauge("num_requests_running", "Requests in model execution batches.")
+        gauge("num_requests_waiting", "Requests waiting to be processed.")
+        gauge("kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.")
+        gauge("engine_healthy", "1 while the engine core is alive, 0 once it is dead.")
+        gauge("engine_sleep_state", "1 for the engine's current sleep state, 0 for the others.",
+              ("sleep_state",))
+        counter("prefix_cache_queries", "Prefix cache queries, in terms of number of tokens.")
+        counter("prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.")
+        counter("num_preemptions", "Cumulative number of preemptions from the engine.")
+        counter("prompt_tokens", "Number of prefill tokens processed.")
+        counter("generation_tokens", "Number of generation tokens processed.")
+        counter("request_success", "Count of successfully processed requests.",
+                ("finished_reason",))
+        counter("estimated_flops_per_gpu", "Estimated FLOPs per GPU (analytic; "
+                "--enable-mfu-metrics).")
+        hist("time_to_first_token_seconds", "Histogram of time to first token in seconds.",
+             TTFT_BUCKETS)
+        hist("inter_token_latency_seconds", "Histogram of inter-token latency in seconds.",
+             ITL_BUCKETS)
+        hist("request_time_per_output_token_seconds",
+             "Histogram of time_per_output_token_seconds per request.", ITL_BUCKETS)
+        for name, what in (("e2e_request_latency", "e2e request latency"),
+                           ("request_queue_time", "time spent in WAITING phase for request"),
+                           ("request_inference_time", "time spent in RUNNING phase for request"),
+                           ("request_prefill_time", "time spent in PREFILL phase for request"),
+                           ("request_decode_time", "time spent in DECODE phase for request")):
+            hist(f"{name}_seconds", f"Histogram of {what} in seconds.", LATENCY_BUCKETS)
+        token_buckets = build_1_2_5_buckets(max_len)
+        hist("request_prompt_tokens", "Number of prefill tokens processed.", token_buckets)
+        hist("request_generation_tokens", "Number of generation tokens processed.",
+             token_buckets)
+        hist("request_params_max_tokens", "Histogram of the max_tokens request parameter.",
+             token_buckets)
+        hist("request_params_n", "Histogram of the n request parameter.", N_BUCKETS)
+        hist("iteration_tokens_total", "Histogram of number of tokens per engine_step.",
+             build_iteration_buckets(batched))
+        for engine in self.engine_indexes:
+            self.record_health(True, engine)
+            self.record_sleep_state(0, engine)
+            for reason in FinishReason:
+                self._child("request_success", engine, str(reason))
+        _LIVE.add(self.registry)
+
+    # -- family construction -------------------------------------------------------------------
+
+    def _labels(self, extra: tuple[str, ...]) -> list[str]:
+        return ["model_name", "engine", *extra]
+
+    def _gauge(self, name: str, doc: str, extra: tuple[str, ...] = ()) -> None:
+        self._families[name] = Gauge(f"ringserve:{name}", doc, self._labels(extra),
+                                     registry=self.registry, multiprocess_mode="mostrecent")
+
+    def _counter(self, name: str, doc: str, extra: tuple[str, ...] = ()) -> None:
+        self._families[name] = Counter(f"ringserve:{name}", doc, self._labels(extra),
+                                       registry=self.registry)
+
+    def _histogram(self, name: str, doc: str, buckets: list[float]) -> None:
+        self._families[name] = Histogram(f"ringserve:{name}", doc, self._labels(()),
+                                         buckets=buckets, registry=self.registry)
+
+    def _child(self, name: str, engine: int, *extra: str) -> Any:
+        return self._families[name].labels(self._model_name, str(engine), *extra)
+
+    # -- recording -----------------------------------------------------------------------------
+
+    def record(self, scheduler_stats: SchedulerStats | None,
+               iteration_stats: IterationStats | None, engine_idx: int = 0) -> None:
+        """Publish one batch's stats of engine `engine_idx`."""
+        child = self._child
+        if scheduler_stats is not None:
+            child("num_requests_running", engine_idx).set(scheduler_stats.num_running_reqs)
+            child("num_requests_waiting", engine_idx).set(scheduler_stats.num_waiting_reqs)
+            child("kv_cache_usage_perc", engine_idx).set(scheduler_stats.kv_cache_usage)
+            child("prefix_cache_queries", engine_idx).inc(scheduler_stats.prefix_cache_queries)
+            child("prefix_cache_hits", engine_idx).inc(scheduler_stats.prefix_cache_hits)
+            child("num_preemptions", engine_idx).inc(scheduler_stats.num_preemptions)
+            child("estimated_flops_per_gpu", engine_idx).inc(scheduler_stats.estimated_flops)
+        if iteration_stats is None:
+            return
+        stats = iteration_stats
+        child("prompt_tokens", engine_idx).inc(stats.num_prompt_tokens)
+        child("generation_tokens", engine_idx).inc(stats.num_generation_tokens)
+        total = stats.num_prompt_tokens + stats.num_generation_tokens
+        if total:
+            child("iteration_tokens_total", engine_idx).observe(total)
+        _observe_all(child("time_to_first_token_seconds", engine_idx),
+                     stats.time_to_first_tokens_iter)
+        _observe_all(child("inter_token_latency_seconds", engine_idx),
+                     stats.inter_token_latencies_iter)
+        for done in stats.finished_requests:
+            child("request_success", engine_idx, str(done.finish_reason)).inc()
+            child("e2e_request_latency_seconds", engine_idx).observe(done.e2e_latency)
+            child("request_queue_time_seconds", engine_idx).observe(done.queued_time)
+            child("request_inference_time_seconds", engine_idx).observe(done.inference_time)
+            child("request_prefill_time_seconds", engine_idx).observe(done.prefill_time)
+            child("request_decode_time_seconds", engine_idx).observe(done.decode_time)
+            child("request_time_per_output_token_seconds", engine_idx).observe(
+                done.mean_time_per_output_token)
+            child("request_prompt_tokens", engine_idx).observe(done.num_prompt_tokens)
+            child("request_generation_tokens", engine_idx).observe(done.num_generation_tokens)
+            child("request_params_n", engine_idx).observe(done.n_param)
+            if done.max_tokens_param is not None:
+                child("request_params_max_tokens", engine_idx).observe(done.max_tokens_param)
+
+    def record_sleep_state(self, level: int, engine_idx: int = 0) -> None:
+        """Set the sleep-state gauge of an engine (0 awake, 1 KV cache freed, 2 + weights)."""
+        for index, state in enumerate(SLEEP_STATES):
+            self._child("engine_sleep_state", engine_idx, state).set(1 if index == level else 0)
+
+    def record_health(self, healthy: bool, engine_idx: int = 0) -> None:
+        """Set the health gauge of an engine."""
+        self._child("engine_healthy", engine_idx).set(1 if healthy else 0)
+
+    def log(self) -> None:
+        """Nothing to do: Prometheus pulls."""
+
+    def log_engine_initialized(self) -> None:
+        """Nothing to do."""
+
+    def shutdown(self) -> None:
+        """Stop publishing this logger's families in the default registry."""
+        _LIVE.remove(self.registry)
+
+
+def _observe_all(histogram: Any, values: Iterator[float] | list[float]) -> None:
+    for value in values:
+        histogram.observe(value)
