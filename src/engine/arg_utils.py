@@ -319,13 +319,15 @@ _FLAG_SPECS: tuple[_FlagSpec, ...] = (
     _FlagSpec("enable_mfu_metrics", "export analytic FLOPs per GPU "
               "(ringserve:estimated_flops_per_gpu_total) and log TF/s",
               boolean=True),
-    _FlagSpec("enable_fault_tolerance", "abort and await retry when a worker fails (not active "
-              "yet: today a worker fault fails every request and stops the engine)", boolean=True),
+    _FlagSpec("enable_fault_tolerance", "on an engine fault (a worker dies, a step raises or "
+              "times out) fail every request, report unhealthy and wait for a retry/abort "
+              "instruction (off: fail fast and stop the engine)", boolean=True),
     _FlagSpec("engine_recovery_timeout_sec", "seconds to wait for a retry/abort instruction "
-              "(not active yet)", float),
-    _FlagSpec("execute_model_timeout_s", "a step slower than this is a fault (not active yet)",
-              float),
-    _FlagSpec("fault_tolerance_auto_retry", "retries without an operator (not active yet)", int),
+              "after a fault before the engine stops", float),
+    _FlagSpec("execute_model_timeout_s", "a step not done within this many seconds is a fault "
+              "(a hung worker)", float),
+    _FlagSpec("fault_tolerance_auto_retry", "retry this many times by itself after a fault "
+              "(with backoff) before waiting for an operator", int),
     _FlagSpec("max_num_queued_reqs", "admission limit on requests (503 beyond)", int),
     _FlagSpec("max_num_queued_tokens", "admission limit on prompt tokens in prefill", int),
 )

@@ -10,7 +10,13 @@ when they must wait. A core's death is seen at once through a pidfd.
 
 `DPLBAsyncMPClient` spreads requests over N cores: each new request goes to the core with the
 lowest `4 * waiting + running`, from the scheduler stats each core publishes with its outputs
-plus the requests sent to it since; aborts go to the owning core, utility calls to all.
+plus the requests sent to it since (a core recovering from a fault gets none while another is
+healthy); aborts go to the owning core, utility calls to all.
+
+Each core's fault-tolerance state (`fault_tolerance.EngineFaultState`) follows the
+`FaultStatus` messages it publishes: an UNHEALTHY core is not dead (the client stays up and
+new requests fail fast with `EngineRecoveringError`); a DEAD one, or a core process that
+exits, makes the whole client dead.
 """
 
 from __future__ import annotations
@@ -27,7 +33,13 @@ import zmq
 
 from ringserve import envs
 from ringserve.config import EngineConfig
-from ringserve.engine.errors import EngineDeadError, EngineStartupError
+from ringserve.engine.errors import (
+    RECOVERING_MESSAGE,
+    EngineDeadError,
+    EngineRecoveringError,
+    EngineStartupError,
+)
+from ringserve.engine.fault_tolerance import EngineFaultState
 from ringserve.engine.mp_client import CoreProcess
 from ringserve.engine.wire import (
     DEAD_CALL_ID,
@@ -35,6 +47,7 @@ from ringserve.engine.wire import (
     AddRequest,
     EngineCoreOutputs,
     EngineCoreRequest,
+    EngineStatus,
     HandshakeReply,
     UtilityCall,
 )
@@ -83,6 +96,7 @@ class AsyncMPClient:
         self._calls: dict[int, tuple[trio.Event, list[Any]]] = {}
         self.processes: list[CoreProcess] = []
         self.dead: str | None = None
+        self.fault_states = [EngineFaultState(i) for i in range(self.num_engines)]
         self._closed = False
         self.num_blocks = 0
         self.max_model_len = config.model_config.max_model_len
@@ -148,6 +162,23 @@ class AsyncMPClient:
     def _check_alive(self) -> None:
         if self.dead is not None:
             raise EngineDeadError(self.dead)
+
+    @property
+    def healthy(self) -> bool:
+        """True while every core is healthy (and the client is not dead)."""
+        return self.dead is None and all(state.healthy for state in self.fault_states)
+
+    def check_accepting(self) -> None:
+        """Raise unless a new request can be served.
+
+        Raises:
+            EngineDeadError: the engine is dead.
+            EngineRecoveringError: no core is healthy (they are recovering from a fault).
+        """
+        self._check_alive()
+        if not any(state.healthy for state in self.fault_states):
+            faults = "; ".join(f"engine {s.id}: {s.fault_info}" for s in self.fault_states)
+            raise EngineRecoveringError(f"{RECOVERING_MESSAGE} ({faults})")
 
     def send_nowait(self, engine: int, message: Any) -> bool:
         """One non-blocking send; False when the socket would block (HWM reached)."""
@@ -239,8 +270,9 @@ class AsyncMPClient:
                     await trio.lowlevel.wait_readable(_fd(sock))
                 continue
             outputs = self._decoder.decode([f.buffer for f in frames])
-            if outputs.utility_output is not None:
+            if outputs.utility_output is not None or outputs.fault_status is not None:
                 self._dispatch_utility(outputs)  # a dead notice: the next turn raises
+                self._record_fault_status(outputs)
                 if not outputs.outputs:
                     continue
             self.record_stats(outputs)
@@ -257,6 +289,15 @@ class AsyncMPClient:
         if waiter is not None:
             waiter[1].append((outputs.engine_index, utility.failure_message, utility.result))
             waiter[0].set()
+
+    def _record_fault_status(self, outputs: EngineCoreOutputs) -> None:
+        status = outputs.fault_status
+        if status is None or not 0 <= outputs.engine_index < self.num_engines:
+            return
+        self.fault_states[outputs.engine_index].update(status)
+        if status.status == EngineStatus.DEAD:
+            self.mark_dead(f"engine core {outputs.engine_index} is dead: "
+                           f"{status.ft_error or status.fault_info}")
 
     async def watch_cores(self) -> None:
         """Return (after marking the engine dead) as soon as any core process exits."""
@@ -284,6 +325,8 @@ class AsyncMPClient:
         """Record that the engine is dead; every later call raises EngineDeadError."""
         if self.dead is None:
             self.dead = reason
+        for state in self.fault_states:
+            state.mark_dead(self.dead)
         for event, _results in self._calls.values():
             event.set()
 
@@ -324,9 +367,11 @@ class DPLBAsyncMPClient(AsyncMPClient):
         self._sent_since_stats[engine] += 1
         return engine
 
-    def _load(self, engine: int) -> int:
+    def _load(self, engine: int) -> tuple[bool, int]:
         waiting, running = self._stats[engine]
-        return 4 * (waiting + self._sent_since_stats[engine]) + running
+        # A recovering core refuses requests: route around it while another is healthy.
+        recovering = not self.fault_states[engine].healthy
+        return recovering, 4 * (waiting + self._sent_since_stats[engine]) + running
 
     def engine_of(self, request_id: str) -> int | None:
         return self._owner.get(request_id)

@@ -9,6 +9,11 @@ starve other tasks), feeds the collectors and sends stop-string aborts back. Can
 consumer aborts its request in the core within one step. A dead core fails every pending
 `generate()` with EngineDeadError at once, and new requests fail fast.
 
+Fault tolerance: a core that reports a fault (UNHEALTHY) has already ended its requests with
+an error; the engine stays up, new requests fail fast with `EngineRecoveringError`, and
+`apply_fault_instruction("retry" | "abort")` (or `submit_fault_instruction`, which runs it in
+the background) tells the cores what to do; `fault_status()` reports every core's state.
+
 Lifecycle: `async with AsyncLLM.from_engine_args(args) as llm:` starts the cores and the
 handler in its own nursery; a server can instead `await nursery.start(llm.run)` to supervise it
 in its root nursery. `shutdown()` stops everything.
@@ -18,6 +23,8 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import logging
+import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -30,11 +37,14 @@ from ringserve.engine.arg_utils import EngineArgs
 from ringserve.engine.async_client import AsyncMPClient, DPLBAsyncMPClient
 from ringserve.engine.collector import RequestOutputCollector
 from ringserve.engine.errors import (
+    RECOVERING_MESSAGE,
     EngineDeadError,
     EngineGenerateError,
+    EngineRecoveringError,
     MaxQueuedTokensError,
     QueueOverflowError,
 )
+from ringserve.engine.fault_tolerance import FaultStatusReport, check_instruction
 from ringserve.engine.input_processor import InputProcessor, PromptType
 from ringserve.engine.llm_engine import load_tokenizer
 from ringserve.engine.metrics_reader import Metric
@@ -42,9 +52,11 @@ from ringserve.engine.output_processor import OutputProcessor
 from ringserve.engine.parent_request import ParentRequest
 from ringserve.engine.stat_loggers import StatLoggerFactory, StatLoggerManager
 from ringserve.engine.stats import IterationStats
-from ringserve.engine.wire import EngineCoreRequest
+from ringserve.engine.wire import FAULT_INSTRUCTION_METHOD, EngineCoreRequest
 from ringserve.outputs import RequestOutput
 from ringserve.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
 
 # Text prompts longer than this are tokenized in a worker thread.
 _INLINE_TOKENIZE_CHARS = 2048
@@ -73,6 +85,7 @@ class AsyncLLM:
         self._stop: trio.CancelScope | None = None
         self._errored: BaseException | None = None
         self._nursery_cm: Any = None
+        self._nursery: trio.Nursery | None = None  # run()'s: background fault instructions
         self._stat_logger_factories = stat_loggers
         # Built by run() when stats are on (not --disable-log-stats); None otherwise.
         self.stat_loggers: StatLoggerManager | None = None
@@ -102,6 +115,7 @@ class AsyncLLM:
         try:
             with trio.CancelScope() as self._stop:
                 async with trio.open_nursery() as nursery:
+                    self._nursery = nursery
                     nursery.start_soon(self._watch_cores, nursery.cancel_scope)
                     if self.stat_loggers is not None:
                         nursery.start_soon(self._log_stats_loop, self.stat_loggers,
@@ -109,6 +123,7 @@ class AsyncLLM:
                     task_status.started()
                     await self._output_handler()
         finally:
+            self._nursery = None
             self.client.shutdown()
             if self.stat_loggers is not None:
                 self.stat_loggers.shutdown()
@@ -149,6 +164,18 @@ class AsyncLLM:
     def is_running(self) -> bool:
         """True while the engine can take requests."""
         return self.client is not None and self.client.dead is None
+
+    @property
+    def is_healthy(self) -> bool:
+        """True while running and every engine core is healthy (not recovering)."""
+        return self.client is not None and self.client.healthy
+
+    @property
+    def recovering(self) -> bool:
+        """True while alive but no core can take requests (recovering from a fault)."""
+        client = self.client
+        return (client is not None and client.dead is None
+                and not any(state.healthy for state in client.fault_states))
 
     @property
     def errored(self) -> bool:
@@ -254,6 +281,7 @@ class AsyncLLM:
         request, text = await self._process(request_id, prompt, params, priority,
                                             data_parallel_rank)
         client = self._live_client()  # it may have died while tokenizing
+        client.check_accepting()
         self.check_admission(params.n, params.n * len(request.prompt_token_ids))
         collector = RequestOutputCollector(params.output_kind)
         if params.n == 1:
@@ -302,6 +330,8 @@ class AsyncLLM:
                 failed = [c for c in output.outputs if c.finish_reason == "error"]
                 if failed:
                     finished = True
+                    if failed[0].stop_reason == RECOVERING_MESSAGE:
+                        raise EngineRecoveringError(f"request {rid!r}: {RECOVERING_MESSAGE}")
                     raise EngineGenerateError(f"request {rid!r} failed: {failed[0].stop_reason}")
                 yield output
         finally:
@@ -330,6 +360,67 @@ class AsyncLLM:
             level = (int(args[0]) if args else 1) if method == "sleep" else 0
             self.stat_loggers.record_sleep_state(level)
         return results
+
+    # -- fault tolerance -------------------------------------------------------------------------
+
+    def fault_status(self) -> FaultStatusReport:
+        """Every core's fault-tolerance state (a snapshot)."""
+        if self.client is None:
+            raise EngineDeadError("the engine is not running (use `async with` or run())")
+        return FaultStatusReport.of(self.client.fault_states)
+
+    async def apply_fault_instruction(self, instruction: str,
+                                      params: dict[str, Any] | None = None,
+                                      ft_request_id: str | None = None) -> str:
+        """Tell every core to `retry` (rebuild its workers) or `abort` (shut down); returns
+        when they have done it. A healthy core takes `retry` as a no-op.
+
+        Args:
+            instruction: "retry" or "abort".
+            params: none are defined; must be empty.
+            ft_request_id: the instruction's id (default: a fresh one).
+
+        Returns:
+            The instruction's id (the cores report it as `last_ft_request_id`).
+
+        Raises:
+            ValueError: an unknown instruction or parameters, or a core's retry failed (the
+                message says why; the core stays unhealthy and waits for another).
+            EngineDeadError: the engine is dead (not after `abort`, which kills it).
+        """
+        check_instruction(instruction, params)
+        rid = ft_request_id or f"ft-{uuid.uuid4().hex}"
+        client = self._live_client()
+        try:
+            await client.call_utility(FAULT_INSTRUCTION_METHOD, instruction, rid)
+        except EngineDeadError:
+            if instruction != "abort":
+                raise
+        return rid
+
+    def submit_fault_instruction(self, instruction: str,
+                                 params: dict[str, Any] | None = None) -> str:
+        """Start `apply_fault_instruction` in the background; returns its id at once.
+
+        Raises:
+            ValueError: an unknown instruction or parameters.
+            EngineDeadError: the engine is not running.
+        """
+        check_instruction(instruction, params)
+        nursery = self._nursery
+        if nursery is None:
+            raise EngineDeadError("the engine is not running (use `async with` or run())")
+        self._live_client()
+        rid = f"ft-{uuid.uuid4().hex}"
+        nursery.start_soon(self._apply_in_background, instruction, rid)
+        return rid
+
+    async def _apply_in_background(self, instruction: str, ft_request_id: str) -> None:
+        # The cores publish the outcome (status, ft_error) themselves; this only logs it.
+        try:
+            await self.apply_fault_instruction(instruction, ft_request_id=ft_request_id)
+        except (ValueError, EngineDeadError) as exc:
+            logger.error("fault instruction %s (%s) failed: %s", instruction, ft_request_id, exc)
 
     def get_metrics(self) -> list[Metric]:
         """A snapshot of this engine's Prometheus series (empty while stats are off)."""

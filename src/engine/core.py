@@ -21,7 +21,13 @@ import msgspec
 from ringserve.config import EngineConfig
 from ringserve.engine.flops import ModelFlops
 from ringserve.engine.scheduler import Scheduler
-from ringserve.engine.wire import EngineCoreOutputs, EngineCoreRequest, FinishReason, SchedulerStats
+from ringserve.engine.wire import (
+    EngineCoreOutput,
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    FinishReason,
+    SchedulerStats,
+)
 from ringserve.gpu.executor.base import Executor
 from ringserve.gpu.wire import ModelRunnerOutput, SchedulerOutput
 
@@ -56,27 +62,11 @@ class EngineCore:
     ) -> None:
         self.config = config
         self.engine_index = engine_index
-        cls = executor_class or Executor.get_class(config)
-        self.executor = cls(config)
-        try:
-            num_blocks = self.executor.determine_num_blocks()
-            if num_blocks < 2:
-                raise ValueError(
-                    f"KV cache too small: {num_blocks} blocks of {config.cache_config.block_size} "
-                    "tokens (at least 2 needed); raise --kv-cache-memory or "
-                    "--gpu-memory-utilization"
-                )
-            self.executor.initialize_kv_cache(num_blocks)
-        except BaseException:
-            self.executor.shutdown()
-            raise
-        self.num_blocks = num_blocks
-        self.scheduler = Scheduler(
-            config.scheduler_config, config.cache_config, num_blocks,
-            eos_token_ids=config.model_config.eos_token_ids,
-            log_stats=not config.observability_config.disable_log_stats,
-            engine_index=engine_index,
-        )
+        self._executor_class = executor_class or Executor.get_class(config)
+        self.executor, self.num_blocks = self._build_executor(None)
+        self.scheduler = self._build_scheduler()
+        # A step whose future is not done in this many seconds is an engine fault.
+        self.step_timeout = config.fault_tolerance_config.execute_model_timeout_s
         self.batch_queue_size = self.executor.max_concurrent_batches
         self.batch_queue: deque[tuple[Future[ModelRunnerOutput], SchedulerOutput]] = deque()
         # Seconds spent per phase since the last get_step_timings() (engine-overhead benchmark).
@@ -91,6 +81,69 @@ class EngineCore:
         # Analytic FLOPs per step, shipped to the frontend in SchedulerStats.
         self.flops = (ModelFlops.from_config(config)
                       if obs.enable_mfu_metrics and not obs.disable_log_stats else None)
+
+    def _build_executor(self, num_blocks: int | None) -> tuple[Executor, int]:
+        """Start an executor and allocate its KV cache (`num_blocks`, or as many as fit)."""
+        config = self.config
+        executor = self._executor_class(config)
+        try:
+            fit = executor.determine_num_blocks()
+            if fit < 2:
+                raise ValueError(
+                    f"KV cache too small: {fit} blocks of {config.cache_config.block_size} "
+                    "tokens (at least 2 needed); raise --kv-cache-memory or "
+                    "--gpu-memory-utilization"
+                )
+            if num_blocks is not None and fit < num_blocks:
+                raise ValueError(f"the new workers hold {fit} KV blocks, fewer than the "
+                                 f"{num_blocks} the engine was started with")
+            num_blocks = fit if num_blocks is None else num_blocks
+            executor.initialize_kv_cache(num_blocks)
+        except BaseException:
+            executor.shutdown()
+            raise
+        return executor, num_blocks
+
+    def _build_scheduler(self) -> Scheduler:
+        config = self.config
+        return Scheduler(
+            config.scheduler_config, config.cache_config, self.num_blocks,
+            eos_token_ids=config.model_config.eos_token_ids,
+            log_stats=not config.observability_config.disable_log_stats,
+            engine_index=self.engine_index,
+        )
+
+    # -- faults --------------------------------------------------------------------------------
+
+    def fail_all_requests(self, error: str) -> dict[int, EngineCoreOutputs]:
+        """Engine fault: forget the steps in flight and end every request (held ones too)
+        with finish reason ERROR and `error`; every block is free afterwards."""
+        self.batch_queue.clear()
+        outputs = self.scheduler.abort_all(FinishReason.ERROR, error=error)
+        held, self._held = self._held, []
+        for request in held:
+            failed = EngineCoreOutput(request.request_id, [], finish_reason=FinishReason.ERROR,
+                                      stop_reason=error)
+            client = outputs.setdefault(request.client_index,
+                                        EngineCoreOutputs(engine_index=self.engine_index))
+            client.outputs.append(failed)
+        return outputs
+
+    def rebuild_executor(self) -> None:
+        """Recover from a fault: replace the executor (new workers and rings, weights loaded,
+        a KV cache of the same number of blocks) and the scheduler (same config, no
+        requests, empty prefix cache). Call `fail_all_requests` first.
+
+        Raises:
+            Exception: the new executor could not be built (the old one is already gone).
+        """
+        self.batch_queue.clear()
+        self.executor.shutdown()
+        self.executor, _ = self._build_executor(self.num_blocks)
+        self.scheduler = self._build_scheduler()
+        self.pause_mode = None
+        self.sleep_level = 0
+        self._held = []
 
     # -- requests ------------------------------------------------------------------------------
 
@@ -128,7 +181,7 @@ class EngineCore:
         if not _worth_sending(scheduler_output):
             return self.scheduler.take_pending_outputs(), False
         t1 = time.perf_counter()
-        model_output = self.executor.execute_model(scheduler_output, non_block=True).result()
+        model_output = self._result(self.executor.execute_model(scheduler_output, non_block=True))
         t2 = time.perf_counter()
         outputs = self.scheduler.update_from_output(scheduler_output, model_output)
         timings["schedule"] += t1 - t0
@@ -165,13 +218,27 @@ class EngineCore:
             return self.scheduler.take_pending_outputs(), submitted
         future, scheduler_output = queue.pop()
         t1 = time.perf_counter()
-        model_output = future.result()
+        model_output = self._result(future)
         t2 = time.perf_counter()
         outputs = self.scheduler.update_from_output(scheduler_output, model_output)
         timings["execute"] += t2 - t1
         timings["update"] += time.perf_counter() - t2
         timings["steps"] += 1
         return outputs, True
+
+    def _result(self, future: Future[ModelRunnerOutput]) -> ModelRunnerOutput:
+        """A step's output; waiting longer than `execute_model_timeout_s` is a fault.
+
+        Raises:
+            TimeoutError: the step did not finish in time (a hung worker).
+        """
+        try:
+            return future.result(self.step_timeout)
+        except TimeoutError:
+            if future.done():
+                raise  # the step itself raised TimeoutError
+            raise TimeoutError(f"execute_model did not finish within {self.step_timeout:g} s "
+                               "(--execute-model-timeout-s)") from None
 
     def _may_schedule(self) -> bool:
         return (self.scheduler.has_requests() and self.pause_mode not in ("keep", "abort")

@@ -12,10 +12,13 @@ the EngineConfig arrives as msgpack on stdin. The process names itself
 The first output message is the start-up handshake (`HandshakeReply`): ready with the number of
 KV blocks and max_model_len, or failed with the reason. Then `run_busy_loop` alternates draining
 the input queue (blocking only when there is no work) and stepping the core, handing outputs to
-the output thread without waiting. An exception in a step is an engine fault: every in-flight
-request ends with finish reason error, a dead notice (utility call id -1) is sent, and the
-process exits with status 1. SIGTERM ends the loop and exits 0; SIGINT is ignored (a terminal's
-Ctrl-C reaches the whole process group, and the parent stops the core itself).
+the output thread without waiting. An exception in a step is an engine fault, handled by the
+fault sentinel (`sentinel.py`, which runs the busy loop): with fault tolerance on the core
+reports UNHEALTHY and waits for a retry/abort instruction; with it off, or when no instruction
+comes in time, every in-flight request ends with finish reason error, a dead notice (utility
+call id -1) is sent, and the process exits with status 1. SIGTERM ends the loop and exits 0;
+SIGINT is ignored (a terminal's Ctrl-C reaches the whole process group, and the parent stops
+the core itself).
 """
 
 from __future__ import annotations
@@ -35,8 +38,10 @@ import zmq
 
 from ringserve.config import EngineConfig
 from ringserve.engine.core import EngineCore
+from ringserve.engine.sentinel import FaultInstruction, FaultSentinel, describe
 from ringserve.engine.wire import (
     DEAD_CALL_ID,
+    FAULT_INSTRUCTION_METHOD,
     AbortRequests,
     AddRequest,
     CoreInput,
@@ -52,14 +57,19 @@ from ringserve.serial import MsgpackDecoder, MsgpackEncoder
 
 
 class _ExecutorFailed:
-    """Put in the input queue by the executor's failure callback: wakes an idle busy loop."""
+    """Put in the input queue by the executor's failure callback: wakes an idle busy loop.
 
-    def __init__(self, error: BaseException) -> None:
+    `executor` is the one that failed: after a retry, a notice from the replaced executor is
+    stale and ignored.
+    """
+
+    def __init__(self, error: BaseException, executor: Executor) -> None:
         self.error = error
+        self.executor = executor
 
 
-class _Shutdown(Exception):
-    """Raised in the main thread by SIGTERM."""
+class _Shutdown(BaseException):
+    """Raised in the main thread by SIGTERM (not an Exception: no fault handler catches it)."""
 
 
 class EngineCoreProc:
@@ -138,14 +148,20 @@ class EngineCoreProc:
         try:
             self.core = EngineCore(self.config, self._executor_class, self.engine_index)
         except Exception as exc:  # reported to the frontend, which raises it
-            self.output_queue.put(HandshakeReply(ready=False, error=_describe(exc)))
+            self.output_queue.put(HandshakeReply(ready=False, error=describe(exc)))
             return False
-        self.core.executor.register_failure_callback(
-            lambda error: self.input_queue.put(_ExecutorFailed(error)))
+        self.watch_executor()
         self.output_queue.put(HandshakeReply(
             ready=True, num_blocks=self.core.num_blocks,
             max_model_len=self.config.model_config.max_model_len))
         return True
+
+    def watch_executor(self) -> None:
+        """Have the core's (new) executor wake the busy loop when a worker dies."""
+        assert self.core is not None
+        executor = self.core.executor
+        executor.register_failure_callback(
+            lambda error: self.input_queue.put(_ExecutorFailed(error, executor)))
 
     def run_busy_loop(self) -> None:
         """Drain inputs (block only when idle), step, hand outputs off; until shutdown."""
@@ -177,12 +193,16 @@ class EngineCoreProc:
         core = self.core
         assert core is not None  # run_busy_loop checked it
         if isinstance(message, _ExecutorFailed):
-            raise message.error  # an engine fault: main() fails every request and exits
+            if message.executor is core.executor:
+                raise message.error  # an engine fault: the sentinel handles it
+            return
         if isinstance(message, AddRequest):
             core.add_request(message.request)
         elif isinstance(message, AbortRequests):
             core.abort_requests(message.request_ids)
         elif isinstance(message, UtilityCall):
+            if message.method == FAULT_INSTRUCTION_METHOD:
+                raise FaultInstruction(message)  # the sentinel answers it
             self._call_utility(core, message)
 
     def _call_utility(self, core: EngineCore, call: UtilityCall) -> None:
@@ -190,7 +210,7 @@ class EngineCoreProc:
             result = core.call_utility(call.method, call.args)
             reply = UtilityOutput(call.call_id, result=result)
         except Exception as exc:
-            reply = UtilityOutput(call.call_id, failure_message=_describe(exc))
+            reply = UtilityOutput(call.call_id, failure_message=describe(exc))
         self.output_queue.put(EngineCoreOutputs(engine_index=self.engine_index,
                                                 utility_output=reply))
 
@@ -203,7 +223,7 @@ class EngineCoreProc:
                 self.output_queue.put(client_outputs)
         self.output_queue.put(EngineCoreOutputs(
             engine_index=self.engine_index,
-            utility_output=UtilityOutput(DEAD_CALL_ID, failure_message=_describe(exc))))
+            utility_output=UtilityOutput(DEAD_CALL_ID, failure_message=describe(exc))))
 
     def close(self) -> None:
         """Flush the output thread, stop the core and the sockets."""
@@ -212,10 +232,6 @@ class EngineCoreProc:
         if self.core is not None:
             self.core.shutdown()
         self.ctx.term()
-
-
-def _describe(exc: BaseException) -> str:
-    return f"{type(exc).__name__}: {exc}"
 
 
 def _raise_shutdown(signum: int, frame: Any) -> None:
@@ -250,10 +266,7 @@ def main(argv: list[str] | None = None) -> int:
     proc = EngineCoreProc(config, ns.engine_index, ns.input_addr, ns.output_addr, executor_class)
     status = 0
     try:
-        if not proc.start_core():
-            status = 1
-        else:
-            proc.run_busy_loop()
+        status = FaultSentinel(proc).run() if proc.start_core() else 1
     except _Shutdown:
         status = 0
     except Exception as exc:

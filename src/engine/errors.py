@@ -2,7 +2,8 @@
 
 `EngineGenerateError` ends one request; `EngineDeadError` means the engine core is gone and
 every pending and new request fails with it; `EngineStartupError` carries the reason a core
-reported (or the way it died) during its start-up handshake.
+reported (or the way it died) during its start-up handshake. `EngineRecoveringError` is the
+per-request refusal while a core recovers from a fault (HTTP 503; the engine is not dead).
 """
 
 from __future__ import annotations
@@ -12,6 +13,14 @@ from ringserve.errors import RingserveError
 
 class EngineGenerateError(RingserveError):
     """One request failed (bad input found late, a worker-side per-request error)."""
+
+
+# The error a core gives requests that arrive while it recovers from a fault.
+RECOVERING_MESSAGE = "the engine is recovering from a fault"
+
+
+class EngineRecoveringError(EngineGenerateError):
+    """A request refused because an engine core is recovering from a fault; HTTP 503."""
 
 
 class EngineDeadError(RingserveError):

@@ -409,8 +409,17 @@ class Scheduler(OutputMixin):
         if from_running:
             self.running = [r for r in self.running if r.status is _RUNNING]
 
-    def abort_all(self, reason: FinishReason = FinishReason.ABORT) -> dict[int, EngineCoreOutputs]:
-        """End every request (engine fault), free all blocks, and return their final outputs."""
+    def abort_all(self, reason: FinishReason = FinishReason.ABORT,
+                  error: str | None = None) -> dict[int, EngineCoreOutputs]:
+        """End every request (engine fault), free all blocks, and return their final outputs.
+
+        Args:
+            reason: the finish reason of every request.
+            error: with ERROR, the message each request's final output carries.
+        """
+        if error is not None:
+            for req in self.requests.values():
+                req.error = error
         self.finish_requests(list(self.requests), reason, notify=True)
         return self.take_pending_outputs()
 

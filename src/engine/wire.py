@@ -18,6 +18,7 @@ from ringserve.sampling_params import SamplingParams
 
 __all__ = [
     "DEAD_CALL_ID",
+    "FAULT_INSTRUCTION_METHOD",
     "AbortRequests",
     "AddRequest",
     "CoreInput",
@@ -26,6 +27,8 @@ __all__ = [
     "EngineCoreOutput",
     "EngineCoreOutputs",
     "EngineCoreRequest",
+    "EngineStatus",
+    "FaultStatus",
     "FinishReason",
     "HandshakeReply",
     "Logprobs",
@@ -167,6 +170,36 @@ class SchedulerStats(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
     estimated_flops: float = 0.0  # per GPU, of the steps scheduled since the previous stats
 
 
+class EngineStatus(enum.IntEnum):
+    """A core's fault-tolerance state; `str()` gives the HTTP form ("healthy", ...)."""
+
+    HEALTHY = 0
+    UNHEALTHY = 1  # a fault: requests are refused until `retry` (or `abort`, or the timeout)
+    DEAD = 2  # the core is shutting down and will not recover
+
+    def __str__(self) -> str:
+        return self.name.lower()
+
+
+class FaultStatus(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """Core -> frontend (in `EngineCoreOutputs.fault_status`): the core's state changed.
+
+    Attributes:
+        status: the new state.
+        fault_info: what the fault was (the error, described), while not healthy.
+        last_ft_request_id: the id of the last fault instruction the core acted on.
+        ft_error: why the last instruction (or the recovery) failed, if it did.
+    """
+
+    status: EngineStatus
+    fault_info: str | None = None
+    last_ft_request_id: str | None = None
+    ft_error: str | None = None
+
+
+# The utility method a fault instruction travels as: args [instruction, ft_request_id].
+FAULT_INSTRUCTION_METHOD = "apply_fault_instruction"
+
 # `UtilityOutput.call_id` of a core's dead notice (an engine fault; the core exits next).
 DEAD_CALL_ID = -1
 
@@ -190,6 +223,7 @@ class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True, gc=
         timestamp: `time.monotonic()` in the core when the batch was made.
         utility_output: the answer to a utility call (then `outputs` is usually empty).
         finished_requests: ids finished in the core this step (for clients that track them).
+        fault_status: the core's fault-tolerance state, sent when it changes.
     """
 
     engine_index: int = 0
@@ -198,3 +232,5 @@ class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True, gc=
     timestamp: float = 0.0
     utility_output: UtilityOutput | None = None
     finished_requests: list[str] | None = None
+    # Appended fields (array_like: order is the wire format; only append at the end).
+    fault_status: FaultStatus | None = None

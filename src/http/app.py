@@ -7,8 +7,9 @@ and count themselves in `state.in_flight` until their response has been sent (a 
 its last event or its client's disconnect), so the drain can wait on `state.idle`.
 
 Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /health,
-GET /version, GET /metrics, POST /tokenize, POST /detokenize, and the control routes of
-`ringserve.http.admin`. Every error is OpenAI's error body (`ringserve.http.errors`); keys are
+GET /version, GET /metrics, POST /tokenize, POST /detokenize, the control routes of
+`ringserve.http.admin` and those of `ringserve.http.fault_tolerance` (admin key). `/health` is
+503 while the engine starts, drains, is dead or any core recovers from a fault. Every error is OpenAI's error body (`ringserve.http.errors`); keys are
 checked by `ringserve.http.auth`; bodies over `max_request_body_bytes` get 413
 (`ringserve.http.body_limit`).
 """
@@ -34,6 +35,7 @@ from ringserve.http.chat import Chat
 from ringserve.http.completions import Completions
 from ringserve.http.context import AppContext
 from ringserve.http.errors import EXCEPTION_HANDLERS, APIError, error_from_exception
+from ringserve.http.fault_tolerance import FAULT_TOLERANCE_PATHS, FaultTolerance
 from ringserve.http.responses import ModelCard, ModelList, json_response
 from ringserve.http.settings import ServerState, ServeSettings
 from ringserve.http.streaming import SSEResponse
@@ -98,6 +100,8 @@ def build_app(engine: AsyncLLM, settings: ServeSettings, state: ServerState) -> 
             return APIError(503, "The server is shutting down").response()
         if not engine.is_running:
             return APIError(503, "The engine is not running").response()
+        if not engine.is_healthy:
+            return APIError(503, "The engine is recovering from a fault").response()
         return Response(status_code=200)
 
     async def version(request: Request) -> Response:
@@ -119,10 +123,11 @@ def build_app(engine: AsyncLLM, settings: ServeSettings, state: ServerState) -> 
         Route("/tokenize", _guard(ctx, tokenization.tokenize), methods=["POST"]),
         Route("/detokenize", _guard(ctx, tokenization.detokenize), methods=["POST"]),
         *Admin(ctx).routes(lambda handler: _guard(ctx, handler)),
+        *FaultTolerance(ctx).routes(lambda handler: _guard(ctx, handler)),
     ]
     auth = Middleware(AuthMiddleware, api_key=settings.api_key,
                       admin_api_key=settings.admin_api_key, open_paths=OPEN_PATHS,
-                      admin_paths=ADMIN_PATHS)
+                      admin_paths=(*ADMIN_PATHS, *FAULT_TOLERANCE_PATHS))
     limit = Middleware(BodyLimitMiddleware, limit=settings.max_request_body_bytes)
     return Starlette(routes=routes, middleware=[auth, limit],
                      exception_handlers=EXCEPTION_HANDLERS)

@@ -80,13 +80,16 @@ class AppContext:
             raise APIError(404, f"The model `{model}` does not exist.", "model")
 
     def check_accepting(self) -> None:
-        """Raises APIError 503 while draining, before the engine is ready, or once it died."""
+        """Raises APIError 503 while draining, before the engine is ready, once it died, or
+        while it recovers from a fault."""
         if self.state.draining:
             raise APIError(503, "The server is shutting down and accepts no new requests")
         if not self.state.ready:
             raise APIError(503, "The engine is still starting")
         if self.engine.errored:
             raise APIError(503, "The engine is not available (it stopped)")
+        if self.engine.recovering:
+            raise APIError(503, "The engine is recovering from a fault; try again later")
 
     async def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of `text` (off the event loop when it is long)."""

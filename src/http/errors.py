@@ -23,6 +23,7 @@ from starlette.responses import Response
 from ringserve.engine.errors import (
     EngineDeadError,
     EngineGenerateError,
+    EngineRecoveringError,
     MaxQueuedTokensError,
     QueueOverflowError,
 )
@@ -111,6 +112,8 @@ def error_from_exception(exc: BaseException) -> APIError | None:
         return APIError(503, f"The engine is not available: {exc}")
     if isinstance(exc, QueueOverflowError | MaxQueuedTokensError):
         return APIError(503, f"The server is overloaded: {exc}")
+    if isinstance(exc, EngineRecoveringError):
+        return APIError(503, f"The engine is recovering from a fault; try again later ({exc})")
     if isinstance(exc, EngineGenerateError):
         return APIError(500, str(exc))
     if isinstance(exc, msgspec.ValidationError | msgspec.DecodeError):

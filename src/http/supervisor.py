@@ -15,6 +15,12 @@ turns true and `/health` answers 200. The first signal starts a graceful stop:
 A second signal skips what is left of the wait and cancels the tree. A signal that arrives
 while the engine is still starting cancels the tree at once (there is nothing to drain).
 
+An engine core that reports a fault but may recover (UNHEALTHY: fault tolerance is on and it
+waits for a `retry`/`abort` instruction, `ringserve.http.fault_tolerance`) does not stop the
+server: `/health` and new `/v1` requests answer 503 until it is healthy again. Only a dead
+engine (`abort`, no instruction within the recovery timeout, a core process that exits, or a
+fault with `--no-enable-fault-tolerance`) does, as follows.
+
 An engine that dies while serving (`EngineDeadError` out of `AsyncLLM.run`) has already failed
 every pending request; the server stops admitting, gives those streams a few seconds to send
 their error events, stops hypercorn, and `run` raises the `EngineDeadError`. Any other failure

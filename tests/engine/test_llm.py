@@ -166,7 +166,10 @@ def _children(pid: int) -> list[int]:
 def test_idle_worker_death_ends_the_core_at_once(tiny_llama_dir: Path) -> None:
     from ringserve.engine.errors import EngineDeadError
 
-    llm = LLM(str(tiny_llama_dir), distributed_executor_backend="mp", **SMALL)
+    # Fault tolerance off: fail fast (with it on the core waits for an instruction instead,
+    # tests/engine/test_fault_tolerance.py).
+    llm = LLM(str(tiny_llama_dir), distributed_executor_backend="mp",
+              enable_fault_tolerance=False, **SMALL)
     try:
         llm.generate("warm", GREEDY, use_tqdm=False)
         core = llm.llm_engine.engine_core.process  # type: ignore[attr-defined]

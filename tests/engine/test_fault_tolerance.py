@@ -1,0 +1,146 @@
+"""Fault tolerance of an engine core (mp executor, TP 1, tiny model): a killed worker ends the
+streams with an error and leaves the engine unhealthy, not dead; `retry` rebuilds the workers
+(same greedy tokens after), `abort` and the recovery timeout end the engine, auto-retry
+recovers without an operator, and a hung worker (SIGSTOP) is a fault by the step timeout."""
+
+from __future__ import annotations
+
+import os
+import signal
+from pathlib import Path
+from typing import Any
+
+import pytest
+import trio
+
+from ringserve import EngineArgs, RequestOutputKind, SamplingParams
+from ringserve.engine.async_llm import AsyncLLM
+from ringserve.engine.errors import EngineDeadError, EngineGenerateError, EngineRecoveringError
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+LONG = SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True,
+                      output_kind=RequestOutputKind.DELTA)
+PROMPT = {"prompt_token_ids": list(range(20, 33))}
+
+
+def ft_engine(model_dir: Path, **kw: Any) -> AsyncLLM:
+    """An AsyncLLM with the mp executor (one worker process) on `model_dir`."""
+    values: dict[str, Any] = {"model": str(model_dir), "device": "cpu", "max_model_len": 512,
+                              "kv_cache_memory": 16 << 20, "distributed_executor_backend": "mp",
+                              **kw}
+    return AsyncLLM.from_engine_args(EngineArgs(**values))
+
+
+def _title(pid: int) -> str:
+    return Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[0].decode(errors="replace")
+
+
+def worker_pids(llm: AsyncLLM) -> list[int]:
+    """The worker processes of the engine's (only) core."""
+    assert llm.client is not None
+    core = llm.client.processes[0].pid
+    kids: list[int] = []
+    for task in Path(f"/proc/{core}/task").iterdir():
+        kids += [int(k) for k in (task / "children").read_text().split()]
+    return [pid for pid in kids if _title(pid).startswith("ringserve::Worker_TP")]
+
+
+async def greedy_tokens(llm: AsyncLLM) -> list[int]:
+    """The tokens of one greedy request."""
+    outputs = [o async for o in llm.generate(PROMPT, GREEDY)]
+    return list(outputs[-1].outputs[0].token_ids)
+
+
+async def wait_status(llm: AsyncLLM, status: str, timeout: float = 30.0) -> dict[str, Any]:
+    """Poll the engine's fault status until its engine 0 reports `status`."""
+    with trio.fail_after(timeout):
+        while True:
+            engine = llm.fault_status().engines[0]
+            if engine.status == status:
+                return {"status": engine.status, "fault_info": engine.fault_info,
+                        "last_ft_request_id": engine.last_ft_request_id,
+                        "ft_error": engine.ft_error}
+            await trio.sleep(0.05)
+
+
+async def stream_until_fault(llm: AsyncLLM, fault: Any) -> tuple[int, BaseException | None]:
+    """Stream a long request, call `fault()` after its second output; (outputs, error)."""
+    count = 0
+    try:
+        async for _ in llm.generate(PROMPT, LONG):
+            count += 1
+            if count == 2:
+                fault()
+    except EngineGenerateError as exc:
+        return count, exc
+    return count, None
+
+
+def core_exitcode(llm: AsyncLLM, timeout: float = 20.0) -> int | None:
+    """The core process's exit status once it has exited."""
+    assert llm.client is not None
+    proc = llm.client.processes[0]
+    assert proc.exited.wait(timeout), "the engine core did not exit"
+    return proc.proc.returncode
+
+
+@pytest.mark.slow
+async def test_worker_death_then_retry_then_abort(tiny_llama_dir: Path) -> None:
+    async with ft_engine(tiny_llama_dir) as llm:
+        before = await greedy_tokens(llm)
+        (worker,) = worker_pids(llm)
+        count, error = await stream_until_fault(
+            llm, lambda: os.kill(worker, signal.SIGKILL))
+        assert error is not None and "engine fault" in str(error), (count, error)
+        status = await wait_status(llm, "unhealthy")
+        assert "WorkerDied" in (status["fault_info"] or ""), status
+        assert llm.is_running and not llm.errored and not llm.is_healthy and llm.recovering
+        with pytest.raises(EngineRecoveringError, match="recovering from a fault"):
+            await greedy_tokens(llm)
+
+        rid = await llm.apply_fault_instruction("retry")
+        status = await wait_status(llm, "healthy")
+        assert status["last_ft_request_id"] == rid and status["fault_info"] is None
+        assert worker_pids(llm) and worker_pids(llm) != [worker]
+        assert await greedy_tokens(llm) == before
+        stats = (await llm.call_utility("get_stats"))[0]
+        assert stats["kv_cache_usage"] == 0.0
+
+        with pytest.raises(ValueError, match="allowed: retry, abort"):
+            await llm.apply_fault_instruction("reboot")
+        await llm.apply_fault_instruction("abort")
+        await wait_status(llm, "dead")
+        assert core_exitcode(llm) == 0
+        with pytest.raises(EngineDeadError):
+            await greedy_tokens(llm)
+
+
+@pytest.mark.slow
+async def test_auto_retry_recovers_without_an_instruction(tiny_llama_dir: Path) -> None:
+    async with ft_engine(tiny_llama_dir, fault_tolerance_auto_retry=1) as llm:
+        before = await greedy_tokens(llm)
+        (worker,) = worker_pids(llm)
+        os.kill(worker, signal.SIGKILL)  # idle: the executor's failure callback wakes the core
+        await wait_status(llm, "unhealthy", timeout=10)
+        status = await wait_status(llm, "healthy")
+        assert status["last_ft_request_id"] == "auto-retry-1"
+        assert await greedy_tokens(llm) == before
+
+
+@pytest.mark.slow
+async def test_hung_worker_is_a_fault_and_the_recovery_timeout_ends_the_engine(
+        tiny_llama_dir: Path) -> None:
+    async with ft_engine(tiny_llama_dir, execute_model_timeout_s=1.0,
+                         engine_recovery_timeout_sec=2.0) as llm:
+        (worker,) = worker_pids(llm)
+        try:
+            _, error = await stream_until_fault(llm, lambda: os.kill(worker, signal.SIGSTOP))
+            assert error is not None and "execute_model did not finish" in str(error), error
+            await wait_status(llm, "unhealthy", timeout=5)
+            status = await wait_status(llm, "dead", timeout=15)
+            assert "TimeoutError" in (status["fault_info"] or ""), status
+            assert core_exitcode(llm) == 1
+            assert llm.errored
+        finally:
+            if Path(f"/proc/{worker}").exists():
+                os.kill(worker, signal.SIGKILL)
