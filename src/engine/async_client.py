@@ -5,7 +5,8 @@ for outputs, launches `data_parallel_size` core processes (`mp_client.CoreProces
 for their handshakes off the event loop. zmq sockets are driven from trio without threads: a
 socket's FD is edge-triggered, so a task retries its non-blocking call and, on EAGAIN, checks
 `zmq.EVENTS` before parking in `trio.lowlevel.wait_readable(sock.FD)`. The output socket is
-read by one task only; sends (from any task) are single non-blocking calls serialized by a lock
+read by one task only (a frame that does not decode as `EngineCoreOutputs` is logged and
+dropped); sends (from any task) are single non-blocking calls serialized by a lock
 when they must wait. A core's death is seen at once through a pidfd.
 
 `DPLBAsyncMPClient` spreads requests over N cores: each new request goes to the core with the
@@ -22,9 +23,9 @@ exits, makes the whole client dead.
 from __future__ import annotations
 
 import itertools
+import logging
 import os
 import shutil
-import tempfile
 from typing import Any
 
 import msgspec
@@ -40,6 +41,7 @@ from ringserve.engine.errors import (
     EngineStartupError,
 )
 from ringserve.engine.fault_tolerance import EngineFaultState
+from ringserve.engine.ipc_dir import make_ipc_dir
 from ringserve.engine.mp_client import CoreProcess
 from ringserve.engine.wire import (
     DEAD_CALL_ID,
@@ -52,6 +54,8 @@ from ringserve.engine.wire import (
     UtilityCall,
 )
 from ringserve.serial import MsgpackDecoder, MsgpackEncoder
+
+logger = logging.getLogger(__name__)
 
 
 def _events(sock: zmq.Socket[Any]) -> int:
@@ -78,7 +82,7 @@ class AsyncMPClient:
         self.config = config
         self.num_engines = config.parallel_config.data_parallel_size
         self.ctx = zmq.Context(io_threads=1)
-        self._dir = tempfile.mkdtemp(prefix="ringserve-zmq-")
+        self._dir = make_ipc_dir()
         self.input_sock = self.ctx.socket(zmq.ROUTER)
         self.input_sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
         self.input_sock.setsockopt(zmq.LINGER, 0)
@@ -269,7 +273,11 @@ class AsyncMPClient:
                 if not _events(sock) & zmq.POLLIN:
                     await trio.lowlevel.wait_readable(_fd(sock))
                 continue
-            outputs = self._decoder.decode([f.buffer for f in frames])
+            try:
+                outputs = self._decoder.decode([f.buffer for f in frames])
+            except (msgspec.MsgspecError, ValueError, TypeError) as exc:
+                logger.warning("dropped a malformed engine-core output frame: %s", exc)
+                continue
             if outputs.utility_output is not None or outputs.fault_status is not None:
                 self._dispatch_utility(outputs)  # a dead notice: the next turn raises
                 self._record_fault_status(outputs)

@@ -5,7 +5,8 @@ the EngineConfig arrives as msgpack on stdin. The process names itself
 `ringserve::EngineCore_DP<i>`, holds a lifeline to its parent, and talks over zmq:
 
 * input: a DEALER socket (routing id `core<i>`) connected to the frontend's ROUTER; a thread
-  decodes each `CoreInput` (add / abort / utility) into the input queue;
+  decodes each `CoreInput` (add / abort / utility) into the input queue, and logs and drops a
+  frame that does not decode as one (the core keeps serving);
 * output: a PUSH socket connected to the frontend's PULL; a thread encodes whatever the busy
   loop puts in the output queue (msgpack body + out-of-band array frames, zero-copy).
 
@@ -24,6 +25,7 @@ the core itself).
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import queue
 import signal
@@ -54,6 +56,8 @@ from ringserve.engine.wire import (
 from ringserve.gpu.executor.base import Executor
 from ringserve.lifeline import install_lifeline
 from ringserve.serial import MsgpackDecoder, MsgpackEncoder
+
+logger = logging.getLogger(__name__)
 
 
 class _ExecutorFailed:
@@ -114,7 +118,14 @@ class EngineCoreProc:
         try:
             while True:
                 frames = sock.recv_multipart(copy=False)
-                self.input_queue.put(decoder.decode([f.buffer for f in frames]))
+                try:
+                    message = decoder.decode([f.buffer for f in frames])
+                except (msgspec.MsgspecError, ValueError, TypeError) as exc:
+                    # A frame that is not a CoreInput is the sender's bug, not a core fault.
+                    logger.warning("engine core %d: dropped a malformed input frame: %s",
+                                   self.engine_index, exc)
+                    continue
+                self.input_queue.put(message)
         except zmq.ContextTerminated:
             pass
         finally:

@@ -5,19 +5,20 @@ lifeline pipe, the two zmq addresses) and watches it with a thread blocked in `P
 its death is noticed at once. `SyncMPClient` (for `LLMEngine` and `LLM`) binds a ROUTER for
 requests and a PULL for outputs on ipc:// paths in a private temporary directory, waits for the
 core's handshake (raising `EngineStartupError` with the core's own reason), and then sends
-`CoreInput`s and receives `EngineCoreOutputs` (zero-copy frames). No pickle anywhere.
+`CoreInput`s and receives `EngineCoreOutputs` (zero-copy frames; a frame that does not decode
+is logged and dropped). No pickle anywhere.
 """
 
 from __future__ import annotations
 
 import collections
 import itertools
+import logging
 import os
 import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from concurrent.futures import Future
@@ -30,6 +31,7 @@ from ringserve import envs
 from ringserve.config import EngineConfig
 from ringserve.engine.core_client import EngineCoreClient
 from ringserve.engine.errors import EngineDeadError, EngineStartupError
+from ringserve.engine.ipc_dir import make_ipc_dir
 from ringserve.engine.wire import (
     DEAD_CALL_ID,
     AbortRequests,
@@ -41,6 +43,8 @@ from ringserve.engine.wire import (
 )
 from ringserve.lifeline import Lifeline
 from ringserve.serial import MsgpackDecoder, MsgpackEncoder
+
+logger = logging.getLogger(__name__)
 
 _POLL_MS = 100
 
@@ -137,7 +141,7 @@ class SyncMPClient(EngineCoreClient):
 
     def __init__(self, config: EngineConfig, executor: str = "default") -> None:
         self.ctx = zmq.Context(io_threads=1)
-        self._dir = tempfile.mkdtemp(prefix="ringserve-zmq-")
+        self._dir = make_ipc_dir()
         self.input_sock = self.ctx.socket(zmq.ROUTER)
         self.input_sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
         self.input_sock.setsockopt(zmq.LINGER, 0)
@@ -217,7 +221,11 @@ class SyncMPClient(EngineCoreClient):
                 self._mark_dead(f"engine core {self.process.describe_exit()}")
             return None
         frames = self.output_sock.recv_multipart(copy=False)
-        outputs = self._decoder.decode([f.buffer for f in frames])
+        try:
+            outputs = self._decoder.decode([f.buffer for f in frames])
+        except (msgspec.MsgspecError, ValueError, TypeError) as exc:
+            logger.warning("dropped a malformed engine-core output frame: %s", exc)
+            return None
         utility = outputs.utility_output
         if utility is not None and utility.call_id == DEAD_CALL_ID:
             self._mark_dead(f"engine core failed: {utility.failure_message}")

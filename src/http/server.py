@@ -1,11 +1,12 @@
 """`ringserve serve`'s process: bind, build the engine and the app, run the tree, clean up.
 
 `serve()` is what `ringserve.cli` calls once the flags are parsed. In order, each step failing
-with an error the CLI prints as one line: clean segments left by a SIGKILLed run
-(`ringserve.shm.cleanup_stale`), bind the listening socket (so "address already in use" is
-reported before any model loads), load the TLS certificate, build the `AsyncLLM` (tokenizer)
-and the ASGI app, then `trio.run` the `Supervisor` (hypercorn + engine under one root nursery,
-see `ringserve.http.supervisor`). Errors that leave the nursery arrive in exception groups;
+with an error the CLI prints as one line: bind the listening socket (so "address already in
+use" is reported before any model loads), load the TLS certificate, build the `AsyncLLM`
+(tokenizer), clean the segments and ipc socket directories a SIGKILLed run left behind
+(`ringserve.shm.cleanup_stale`, `ringserve.engine.ipc_dir`), build the ASGI app, then
+`trio.run` the `Supervisor` (hypercorn + engine under one root nursery, see
+`ringserve.http.supervisor`). Errors that leave the nursery arrive in exception groups;
 `serve` unwraps them so the caller sees the one that matters (`EngineDeadError` when an engine
 core died, a `RingserveError`/`ValueError`/`OSError` for a user's mistake). Whatever happens,
 the engine's core processes are stopped before `serve` returns.
@@ -30,6 +31,7 @@ from starlette.types import ASGIApp
 from ringserve.config import EngineConfig
 from ringserve.engine.async_llm import AsyncLLM
 from ringserve.engine.errors import EngineDeadError, EngineStartupError
+from ringserve.engine.ipc_dir import cleanup_stale_ipc_dirs
 from ringserve.errors import RingserveError
 from ringserve.http.app import build_app
 from ringserve.http.settings import ServerState, ServeSettings
@@ -65,9 +67,6 @@ def serve(engine_config: EngineConfig, settings: ServeSettings,
     """
     configure_logging()
     factory = app_factory or build_app
-    removed = cleanup_stale()
-    if removed:
-        logger.info("removed %d stale shared-memory segment(s)", len(removed))
     sock = open_listener(settings.host, settings.port)
     try:
         config = hypercorn_config(settings, sock)
@@ -75,6 +74,7 @@ def serve(engine_config: EngineConfig, settings: ServeSettings,
         sock.close()
         raise
     engine = AsyncLLM(engine_config)
+    _clean_stale()
     try:
         trio.run(_serve_async, engine, settings, factory, config)
     except BaseExceptionGroup as group:
@@ -85,6 +85,20 @@ def serve(engine_config: EngineConfig, settings: ServeSettings,
     finally:
         if engine.client is not None:
             engine.client.shutdown()  # idempotent; run() normally did it already
+
+
+def _clean_stale() -> None:
+    """Remove the segments and ipc socket directories that SIGKILLed runs left behind.
+
+    Runs after the start-up checks, so a mistake is still reported as one line, and before any
+    engine core starts.
+    """
+    removed = cleanup_stale()
+    if removed:
+        logger.info("removed %d stale shared-memory segment(s)", len(removed))
+    stale_dirs = cleanup_stale_ipc_dirs()
+    if stale_dirs:
+        logger.info("removed %d stale ipc socket directories", len(stale_dirs))
 
 
 async def _serve_async(engine: AsyncLLM, settings: ServeSettings, factory: AppFactory,

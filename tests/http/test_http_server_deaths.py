@@ -1,0 +1,215 @@
+"""Deaths of `ringserve serve`'s processes, killed from outside with SIGKILL.
+
+* An engine core: every open stream ends with an error event and `[DONE]` within 1 s, and
+  `/health` answers 503 at once (checked in process, over the app: the live server, with no
+  core restart, stops accepting within milliseconds, and never answers 200 again); the core's workers follow it, and no shared-memory segment of
+  the core or its workers is left (the rings are unlinked as soon as both ends attach); the
+  server then exits and removes its ipc socket directory.
+* The server itself: its engine cores and workers are gone within 2 s (lifelines), no segment
+  is left after 3 s, and the next start removes what the killed run could not (its ipc socket
+  directory, a stale segment).
+
+Timing bounds are the issue's, with 2x slack for loaded machines.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import httpx
+import pytest
+import trio
+from http_app_harness import serving
+from test_http_server import LiveServer, _completion_body, _stream_events
+
+from ringserve.engine.errors import EngineDeadError
+
+pytestmark = pytest.mark.slow
+
+MP = ("--distributed-executor-backend", "mp")
+SLACK = 2.0
+
+
+def _title(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[0].decode(errors="replace")
+    except OSError:
+        return ""
+
+
+def _children(pid: int) -> list[int]:
+    kids: list[int] = []
+    for path in Path(f"/proc/{pid}/task").glob("*/children"):
+        kids += [int(k) for k in path.read_text().split()]
+    return kids
+
+
+def _tree(server: int) -> tuple[list[int], list[int]]:
+    """The server's engine cores and their workers, found by their titles."""
+    cores = [p for p in _children(server) if _title(p).startswith("ringserve::EngineCore_DP")]
+    workers = [p for core in cores for p in _children(core)
+               if _title(p).startswith("ringserve::Worker_TP")]
+    return cores, workers
+
+
+def _alive(pid: int) -> bool:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_bytes()
+    except FileNotFoundError:
+        return False
+    return stat[stat.rfind(b")") + 2:stat.rfind(b")") + 3] not in (b"Z", b"X")
+
+
+def _segments(pids: list[int]) -> list[str]:
+    prefixes = tuple(f"ringserve-{pid}-" for pid in pids)
+    return sorted(name for name in os.listdir("/dev/shm") if name.startswith(prefixes))
+
+
+def _ipc_dirs(pid: int) -> list[str]:
+    return sorted(name for name in os.listdir(tempfile.gettempdir())
+                  if name.startswith(f"ringserve-zmq-{pid}-"))
+
+
+def _wait_for(check: Callable[[], bool], timeout: float) -> float:
+    """Seconds until `check()` held; raises AssertionError after `timeout`."""
+    start = time.monotonic()
+    while not check():
+        if time.monotonic() - start > timeout:
+            raise AssertionError(f"not within {timeout} s")
+        time.sleep(0.01)
+    return time.monotonic() - start
+
+
+def _dead_pid() -> int:
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    return proc.pid
+
+
+async def _probe_health(url: str, since: float) -> list[tuple[float, int | str]]:
+    """Poll /health until the server stops answering: (seconds since `since`, status)."""
+    seen: list[tuple[float, int | str]] = []
+    async with httpx.AsyncClient(base_url=url, timeout=5) as probe:
+        with trio.move_on_after(30):
+            while True:
+                try:
+                    status: int | str = (await probe.get("/health")).status_code
+                except httpx.TransportError as exc:
+                    seen.append((time.monotonic() - since, type(exc).__name__))
+                    return seen
+                seen.append((time.monotonic() - since, status))
+                await trio.sleep(0.01)
+    return seen
+
+
+async def test_core_sigkill_ends_streams_and_flips_health(tiny_llama_dir: Path,
+                                                           tmp_path: Path) -> None:
+    with LiveServer(tiny_llama_dir, tmp_path / "server.log", MP) as live:
+        (core,), workers = _tree(live.pid)
+        assert workers, live.output()
+        assert _ipc_dirs(live.pid)
+        started = [trio.Event() for _ in range(4)]
+        ended: list[tuple[float, list[str]]] = []
+
+        async def stream(client: httpx.AsyncClient, index: int) -> None:
+            events: list[str] = []
+            async for event in _stream_events(client, _completion_body(400)):
+                events.append(event)
+                if len(events) == 2:
+                    started[index].set()
+            ended.append((time.monotonic(), events))
+
+        async with (httpx.AsyncClient(base_url=live.url, timeout=30) as client,
+                    trio.open_nursery() as nursery):
+            for index in range(4):
+                nursery.start_soon(stream, client, index)
+            with trio.fail_after(30):
+                for event in started:
+                    await event.wait()
+            os.kill(core, signal.SIGKILL)
+            killed = time.monotonic()
+            probes = await _probe_health(live.url, killed)
+        # Without a core restart the server stops at once (its streams are done): /health
+        # never answers 200 again, and stops answering within the bound.
+        assert all(status == 503 or isinstance(status, str) for _, status in probes), probes
+        assert probes[0][0] < 1.0 * SLACK, probes
+        assert len(ended) == 4
+        for at, events in ended:
+            assert events[-1] == "[DONE]" and "error" in json.loads(events[-2]), events[-3:]
+            assert at - killed < 1.0 * SLACK, at - killed
+        # The workers follow their core; no segment of theirs or the core's is left.
+        _wait_for(lambda: not any(_alive(p) for p in workers), 2.0 * SLACK)
+        assert _segments([core, *workers]) == []
+        assert live.wait(timeout=20) == 1, live.output()
+        assert _ipc_dirs(live.pid) == []
+
+
+async def test_core_sigkill_flips_health_at_once(tiny_llama_dir: Path) -> None:
+    """In process (the app without the supervisor, which would stop the server): after the
+    core's death every stream ends with an error and /health answers 503."""
+    checked = False
+    try:
+        async with serving(tiny_llama_dir, "default") as s:
+            assert (await s.http.get("/health")).status_code == 200
+            assert s.engine.client is not None
+            core = s.engine.client.processes[0].pid
+            body = {**_completion_body(480), "stream": True}
+            events: list[str] = []
+            ended = 0.0
+
+            async def stream() -> None:
+                nonlocal ended
+                # httpx's ASGI transport buffers the whole body: the events arrive at the end.
+                r = await s.http.post("/v1/completions", json=body)
+                ended = time.monotonic()
+                assert r.status_code == 200, r.text
+                events.extend(line[len("data: "):] for line in r.text.splitlines()
+                              if line.startswith("data: "))
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(stream)
+                with trio.fail_after(10):
+                    while s.engine.output_processor.get_num_unfinished_requests() == 0:
+                        await trio.sleep(0.005)
+                os.kill(core, signal.SIGKILL)
+                killed = time.monotonic()
+            ended_s = ended - killed
+            health = await s.http.get("/health")
+            health_s = time.monotonic() - killed
+            assert events[-1] == "[DONE]" and "error" in json.loads(events[-2]), events[-3:]
+            assert ended_s < 1.0 * SLACK and health_s < 1.0 * SLACK, (ended_s, health_s)
+            assert health.status_code == 503, health.text
+            checked = True
+    except* EngineDeadError:
+        pass  # the engine's run ends with the death it saw
+    assert checked, "the engine's death cut the checks short"
+
+
+def test_server_sigkill_leaves_nothing_and_next_start_cleans(tiny_llama_dir: Path,
+                                                             tmp_path: Path) -> None:
+    with LiveServer(tiny_llama_dir, tmp_path / "first.log", MP) as live:
+        cores, workers = _tree(live.pid)
+        assert cores and workers, live.output()
+        os.kill(live.pid, signal.SIGKILL)  # the server only, not its group
+        gone_s = _wait_for(lambda: not any(_alive(p) for p in [*cores, *workers]), 2.0 * SLACK)
+        _wait_for(lambda: _segments([live.pid, *cores, *workers]) == [], 3.0 * SLACK)
+        left_dirs = _ipc_dirs(live.pid)
+        killed_pid = live.pid
+    assert gone_s < 2.0 * SLACK
+    assert left_dirs, "a SIGKILLed server cannot remove its ipc directory"
+    stale = Path("/dev/shm") / f"ringserve-{_dead_pid()}-0123456789ab-stale"
+    stale.write_bytes(b"")
+    try:
+        with LiveServer(tiny_llama_dir, tmp_path / "second.log", MP):
+            assert _ipc_dirs(killed_pid) == []
+            assert not stale.exists()
+    finally:
+        stale.unlink(missing_ok=True)
