@@ -38,11 +38,10 @@ from ringserve.engine.errors import (
     RECOVERING_MESSAGE,
     EngineDeadError,
     EngineRecoveringError,
-    EngineStartupError,
 )
 from ringserve.engine.fault_tolerance import EngineFaultState
 from ringserve.engine.ipc_dir import make_ipc_dir
-from ringserve.engine.mp_client import CoreProcess
+from ringserve.engine.mp_client import CoreProcess, wait_for_handshakes
 from ringserve.engine.wire import (
     DEAD_CALL_ID,
     AbortRequests,
@@ -50,7 +49,6 @@ from ringserve.engine.wire import (
     EngineCoreOutputs,
     EngineCoreRequest,
     EngineStatus,
-    HandshakeReply,
     UtilityCall,
 )
 from ringserve.serial import MsgpackDecoder, MsgpackEncoder
@@ -124,26 +122,9 @@ class AsyncMPClient:
         for index in range(self.num_engines):
             self.processes.append(CoreProcess(self.config, index, self.input_addr,
                                               self.output_addr, self._executor))
-        ready: set[int] = set()
-        timeout_ms = int(envs.engine_ready_timeout_s() * 1000)
-        waited = 0
-        while len(ready) < self.num_engines:
-            if self.output_sock.poll(100):
-                reply = msgspec.msgpack.decode(self.output_sock.recv(), type=HandshakeReply)
-                if not reply.ready:
-                    raise EngineStartupError(f"engine core failed to start: {reply.error}")
-                ready.add(len(ready))
-                self.num_blocks = reply.num_blocks
-                continue
-            waited += 100
-            for proc in self.processes:
-                if proc.exited.is_set():
-                    raise EngineStartupError(
-                        f"engine core {proc.engine_index} {proc.describe_exit()} before it was "
-                        "ready (its stderr above says why)")
-            if waited >= timeout_ms:
-                raise EngineStartupError("engine cores did not become ready within "
-                                         f"{timeout_ms / 1000:.0f} s")
+        replies = wait_for_handshakes(self.output_sock, self.processes,
+                                      envs.engine_ready_timeout_s())
+        self.num_blocks = replies[-1].num_blocks
 
     # -- routing -------------------------------------------------------------------------------
 

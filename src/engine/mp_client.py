@@ -128,6 +128,33 @@ class CoreProcess:
         self.lifeline.cut()
 
 
+def wait_for_handshakes(sock: zmq.Socket[Any], processes: list[CoreProcess],
+                        timeout: float) -> list[HandshakeReply]:
+    """Wait (blocking) until every core has sent its ready handshake on `sock`.
+
+    Raises:
+        EngineStartupError: a core reported why it failed, exited first, or `timeout` passed.
+    """
+    replies: list[HandshakeReply] = []
+    deadline = time.monotonic() + timeout
+    while len(replies) < len(processes):
+        if sock.poll(_POLL_MS):
+            reply = msgspec.msgpack.decode(sock.recv(), type=HandshakeReply)
+            if not reply.ready:
+                raise EngineStartupError(f"engine core failed to start: {reply.error}")
+            replies.append(reply)
+            continue
+        for proc in processes:
+            if proc.exited.is_set():
+                raise EngineStartupError(
+                    f"engine core {proc.engine_index} {proc.describe_exit()} before it was "
+                    "ready (its stderr above says why)")
+        if time.monotonic() >= deadline:
+            raise EngineStartupError(f"engine cores did not become ready within {timeout:.0f} s "
+                                     "(RINGSERVE_ENGINE_READY_TIMEOUT_S)")
+    return replies
+
+
 class SyncMPClient(EngineCoreClient):
     """A blocking client of one engine core in a child process.
 
@@ -159,28 +186,14 @@ class SyncMPClient(EngineCoreClient):
         self._closed = False
         self.process = CoreProcess(config, 0, input_addr, output_addr, executor)
         try:
-            reply = self._handshake(envs.engine_ready_timeout_s())
+            (reply,) = wait_for_handshakes(self.output_sock, [self.process],
+                                           envs.engine_ready_timeout_s())
         except BaseException:
             self.shutdown()
             raise
         self.num_blocks = reply.num_blocks
         self.max_model_len = reply.max_model_len
 
-    def _handshake(self, timeout: float) -> HandshakeReply:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.output_sock.poll(_POLL_MS):
-                body = self.output_sock.recv()
-                reply = msgspec.msgpack.decode(body, type=HandshakeReply)
-                if not reply.ready:
-                    raise EngineStartupError(f"engine core failed to start: {reply.error}")
-                return reply
-            if self.process.exited.is_set():
-                raise EngineStartupError(
-                    f"engine core {self.process.describe_exit()} before it was ready "
-                    "(its stderr above says why)")
-        raise EngineStartupError(f"engine core did not become ready within {timeout:.0f} s "
-                                 "(RINGSERVE_ENGINE_READY_TIMEOUT_S)")
 
     # -- sending ---------------------------------------------------------------------------------
 

@@ -15,6 +15,7 @@ frontend's job.
 from __future__ import annotations
 
 import time
+from abc import ABC, abstractmethod
 from collections.abc import Iterable
 
 from ringserve.engine.kv_cache_manager import KVCacheManager
@@ -35,7 +36,7 @@ _STOPPED = RequestStatus.FINISHED_STOPPED
 _LENGTH = RequestStatus.FINISHED_LENGTH_CAPPED
 
 
-class OutputMixin:
+class OutputMixin(ABC):
     """`update_from_output` and its helpers; the state lives in `Scheduler`."""
 
     kv_cache_manager: KVCacheManager
@@ -47,19 +48,20 @@ class OutputMixin:
     _pending_outputs: list[tuple[int, EngineCoreOutput]]
     _finished_by_client: dict[int, list[str]]
 
+    @abstractmethod
     def _free_request(self, req: Request) -> None:
-        raise NotImplementedError
+        """Implemented by `Scheduler`."""
 
+    @abstractmethod
     def finish_requests(
         self, request_ids: str | Iterable[str], reason: FinishReason = FinishReason.ABORT, *,
         notify: bool = False,
     ) -> None:
         """Implemented by `Scheduler`."""
-        raise NotImplementedError
 
+    @abstractmethod
     def make_stats(self) -> SchedulerStats:
         """Implemented by `Scheduler`."""
-        raise NotImplementedError
 
     def update_from_output(
         self, scheduler_output: SchedulerOutput, model_runner_output: ModelRunnerOutput

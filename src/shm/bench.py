@@ -26,6 +26,7 @@ from ringserve.shm.bench_peers import (
     PipeClient,
     RingClient,
     SpinFloorClient,
+    StreamClient,
     ZmqClient,
 )
 from ringserve.shm.wait import WaitPolicy
@@ -82,7 +83,7 @@ def _round_trips(client: Client, data: bytes, iters: int) -> list[float]:
     return samples
 
 
-def _throughput_gbps(client: Client, data: bytes, count: int) -> float:
+def _throughput_gbps(client: StreamClient, data: bytes, count: int) -> float:
     client.push(data)
     client.call(BULK_END, b"")
     start = time.perf_counter()
@@ -95,7 +96,7 @@ def _throughput_gbps(client: Client, data: bytes, count: int) -> float:
     return count * len(data) / elapsed / 1e9
 
 
-def _cpu_phase(client: Client, seconds: float, period: float | None) -> dict[str, float]:
+def _cpu_phase(client: StreamClient, seconds: float, period: float | None) -> dict[str, float]:
     """CPU share of each side over ``seconds``; one 256 B round trip per ``period`` if set."""
     data = b"\0" * 256
     server0, client0, wall0 = client.server_cpu(), time.process_time(), time.perf_counter()
@@ -118,9 +119,7 @@ def _cpu_phase(client: Client, seconds: float, period: float | None) -> dict[str
     return out
 
 
-def _make_client(name: str, tmpdir: str) -> Client:
-    if name == "floor":
-        return SpinFloorClient(max(SIZES))
+def _make_client(name: str, tmpdir: str) -> StreamClient:
     if name == "ring":
         return RingClient(WaitPolicy(), park=False)
     if name == "ring-park":
@@ -131,7 +130,8 @@ def _make_client(name: str, tmpdir: str) -> Client:
 
 
 def _measure(name: str, args: argparse.Namespace, tmpdir: str) -> dict[str, Any]:
-    client = _make_client(name, tmpdir)
+    stream = None if name == "floor" else _make_client(name, tmpdir)
+    client: Client = SpinFloorClient(max(SIZES)) if stream is None else stream
     res: dict[str, Any] = {}
     try:
         for size in SIZES:
@@ -142,13 +142,13 @@ def _measure(name: str, args: argparse.Namespace, tmpdir: str) -> dict[str, Any]
                 "rt_med_us": statistics.median(rts) * 1e6,
                 "rt_p99_us": rts[min(len(rts) - 1, int(len(rts) * 0.99))] * 1e6,
             }
-            if name != "floor":
+            if stream is not None:
                 count = max(20, int(args.bulk_bytes / size))
-                row["gbps"] = _throughput_gbps(client, data, count)
+                row["gbps"] = _throughput_gbps(stream, data, count)
             res[str(size)] = row
-        if name != "floor":
-            res["idle"] = _cpu_phase(client, args.cpu_seconds, None)
-            res["every_5ms"] = _cpu_phase(client, args.cpu_seconds, 0.005)
+        if stream is not None:
+            res["idle"] = _cpu_phase(stream, args.cpu_seconds, None)
+            res["every_5ms"] = _cpu_phase(stream, args.cpu_seconds, 0.005)
     finally:
         client.close()
     return res

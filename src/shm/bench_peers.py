@@ -33,11 +33,20 @@ _CPU_REPLY = _F64.size
 
 
 class Client(Protocol):
-    """The benchmark's side of one transport."""
+    """The benchmark's side of one transport: round trips."""
 
     def call(self, kind: int, data: bytes) -> int:
         """Send a message and wait for the reply; return the reply's size (or its value)."""
         ...
+
+    def close(self) -> None:
+        """Stop the server and release everything."""
+        ...
+
+
+class StreamClient(Client, Protocol):
+    """A transport that also streams one way and reports its server's CPU (all but the floor,
+    whose server spins by design and which only measures round trips)."""
 
     def push(self, data: bytes) -> None:
         """Send a BULK message without waiting."""
@@ -45,10 +54,6 @@ class Client(Protocol):
 
     def server_cpu(self) -> float:
         """CPU seconds the server process has used so far."""
-        ...
-
-    def close(self) -> None:
-        """Stop the server and release everything."""
         ...
 
 
@@ -140,12 +145,6 @@ class SpinFloorClient:
         while words[16] != seq:
             pass
         return n
-
-    def push(self, data: bytes) -> None:
-        raise NotImplementedError("the floor only measures round trips")
-
-    def server_cpu(self) -> float:
-        raise NotImplementedError("the floor server spins by design")
 
     def close(self) -> None:
         self.words[0] = (self.seq + 1) * 8 + STOP

@@ -46,21 +46,19 @@ from typing import Any
 
 from ringserve import envs
 from ringserve.config import EngineConfig
-from ringserve.gpu.executor.base import Executor
 from ringserve.gpu.executor.errors import ExecutorShutdownError, WorkerDiedError, WorkerError
-from ringserve.gpu.executor.pending import Pending
+from ringserve.gpu.executor.remote import RemoteWorkersExecutor
 from ringserve.gpu.executor.wire import (
     FrameKind,
     RpcReply,
-    RpcRequest,
     StepError,
     WorkerSpec,
     read_buffers,
     write_message,
 )
-from ringserve.gpu.wire import ModelRunnerOutput, SchedulerOutput
+from ringserve.gpu.wire import ModelRunnerOutput
 from ringserve.lifeline import Lifeline
-from ringserve.serial import MsgpackDecoder, MsgpackEncoder
+from ringserve.serial import MsgpackDecoder
 from ringserve.shm import (
     Frame,
     PeerDiedError,
@@ -86,7 +84,7 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-class MultiprocExecutor(Executor):
+class MultiprocExecutor(RemoteWorkersExecutor):
     """Runs one worker process per TP rank (see the module docstring).
 
     The constructor returns once every worker has joined the TP group and loaded the model.
@@ -104,10 +102,6 @@ class MultiprocExecutor(Executor):
 
     def __init__(self, config: EngineConfig) -> None:
         super().__init__(config)
-        self.world_size = config.parallel_config.tensor_parallel_size
-        self._pending = Pending(self.world_size)
-        self._send_lock = threading.Lock()  # one writer of the broadcast ring at a time
-        self._encoder = MsgpackEncoder()
         self._stopping = False
         self._closed = False
         self._procs: list[subprocess.Popen[bytes] | None] = [None] * self.world_size
@@ -260,66 +254,13 @@ class MultiprocExecutor(Executor):
 
     # ---- the Executor interface -----------------------------------------------------------
 
-    def determine_num_blocks(self) -> int:
-        """The minimum over ranks of the KV blocks each can hold."""
-        return min(int(n) for n in self.collective_rpc("determine_num_blocks"))
+    def _send(self, kind: FrameKind, message: Any) -> None:
+        write_message(self._sched, kind, self._encoder.encode(message))
 
-    def initialize_kv_cache(self, num_blocks: int) -> None:
-        """Allocate `num_blocks` KV blocks on every rank."""
-        self.collective_rpc("initialize_kv_cache", (num_blocks,))
-        self.num_blocks = num_blocks
-
-    def _submit_step(self, scheduler_output: SchedulerOutput) -> Future[ModelRunnerOutput]:
-        with self._send_lock:
-            future = self._pending.add_step(scheduler_output.step_id)
-            if future.done():
-                return future  # already failed: the executor is broken
-            try:
-                write_message(self._sched, FrameKind.STEP, self._encoder.encode(scheduler_output))
-            except BaseException:
-                self._pending.drop_last_step(future)
-                raise
-        return future
-
-    def collective_rpc(
-        self, method: str, args: tuple[Any, ...] = (), timeout: float | None = None
-    ) -> list[Any]:
-        """Call `Worker.<method>(*args)` on every rank; the values in rank order.
-
-        Arguments and values cross as msgpack (numbers, strings, lists, dicts, numpy arrays,
-        tensors); msgspec Structs come back as their array or dict form.
-
-        Raises:
-            WorkerError: a rank raised (the message names the rank and carries its error).
-            WorkerDiedError: a worker died before every rank answered.
-            TimeoutError: not every rank answered within `timeout` seconds.
-        """
-        with self._send_lock:
-            call_id, future = self._pending.add_call()
-            if not future.done():
-                try:
-                    request = RpcRequest(call_id, method, tuple(args))
-                    write_message(self._sched, FrameKind.RPC, self._encoder.encode(request))
-                except BaseException:
-                    self._pending.drop_call(call_id)
-                    raise
-        try:
-            return future.result(timeout)
-        except TimeoutError:
-            self._pending.drop_call(call_id)
-            raise
-
-    def check_health(self) -> None:
-        """Raise the first fault (a worker died or raised), if any.
-
-        Raises:
-            WorkerDiedError, WorkerError, ExecutorShutdownError: the executor cannot run steps.
-        """
+    def _poll_deaths(self) -> None:
         for rank, proc in enumerate(self._procs):
             if proc is not None and proc.poll() is not None and not self._stopping:
                 self._pending.fail(WorkerDiedError(rank, proc.returncode))
-        if self._pending.failure is not None:
-            raise self._pending.failure
 
     # ---- shutdown -------------------------------------------------------------------------
 

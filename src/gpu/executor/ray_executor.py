@@ -45,7 +45,6 @@ import shutil
 import tempfile
 import threading
 from collections.abc import Iterator
-from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
@@ -54,9 +53,7 @@ import zmq
 
 from ringserve import envs
 from ringserve.config import EngineConfig
-from ringserve.gpu.executor.base import Executor
 from ringserve.gpu.executor.errors import ExecutorShutdownError, WorkerDiedError, WorkerError
-from ringserve.gpu.executor.pending import Pending
 from ringserve.gpu.executor.ray_worker import (
     HELLO,
     RayWorker,
@@ -64,9 +61,10 @@ from ringserve.gpu.executor.ray_worker import (
     send_message,
     split_message,
 )
-from ringserve.gpu.executor.wire import FrameKind, RpcReply, RpcRequest, StepError
-from ringserve.gpu.wire import ModelRunnerOutput, SchedulerOutput
-from ringserve.serial import MsgpackDecoder, MsgpackEncoder
+from ringserve.gpu.executor.remote import RemoteWorkersExecutor
+from ringserve.gpu.executor.wire import FrameKind, RpcReply, StepError
+from ringserve.gpu.wire import ModelRunnerOutput
+from ringserve.serial import MsgpackDecoder
 
 logger = logging.getLogger(__name__)
 
@@ -193,7 +191,7 @@ class _RaySession:
         cls._temp_dir = None
 
 
-class RayExecutor(Executor):
+class RayExecutor(RemoteWorkersExecutor):
     """Runs one Ray actor per TP rank (see the module docstring).
 
     The constructor returns once every worker has joined the TP group and loaded the model.
@@ -209,10 +207,6 @@ class RayExecutor(Executor):
 
     def __init__(self, config: EngineConfig) -> None:
         super().__init__(config)
-        self.world_size = config.parallel_config.tensor_parallel_size
-        self._pending = Pending(self.world_size)
-        self._send_lock = threading.Lock()  # the ROUTER socket is used by one thread at a time
-        self._encoder = MsgpackEncoder()
         self._stopping = False
         self._closed = False
         self._actors: list[Any] = []
@@ -377,16 +371,7 @@ class RayExecutor(Executor):
 
     # ---- the Executor interface -----------------------------------------------------------
 
-    def determine_num_blocks(self) -> int:
-        """The minimum over ranks of the KV blocks each can hold."""
-        return min(int(n) for n in self.collective_rpc("determine_num_blocks"))
-
-    def initialize_kv_cache(self, num_blocks: int) -> None:
-        """Allocate `num_blocks` KV blocks on every rank."""
-        self.collective_rpc("initialize_kv_cache", (num_blocks,))
-        self.num_blocks = num_blocks
-
-    def _broadcast(self, kind: FrameKind, message: Any) -> None:
+    def _send(self, kind: FrameKind, message: Any) -> None:
         """Send one message to every rank (caller holds `_send_lock`).
 
         Raises:
@@ -400,58 +385,6 @@ class RayExecutor(Executor):
                 if exc.errno != zmq.EHOSTUNREACH:
                     raise
                 raise WorkerDiedError(rank, None) from exc
-
-    def _submit_step(self, scheduler_output: SchedulerOutput) -> Future[ModelRunnerOutput]:
-        with self._send_lock:
-            future = self._pending.add_step(scheduler_output.step_id)
-            if future.done():
-                return future  # already failed: the executor is broken
-            try:
-                self._broadcast(FrameKind.STEP, scheduler_output)
-            except WorkerDiedError as exc:
-                self._pending.fail(exc)
-            except BaseException:
-                self._pending.drop_last_step(future)
-                raise
-        return future
-
-    def collective_rpc(
-        self, method: str, args: tuple[Any, ...] = (), timeout: float | None = None
-    ) -> list[Any]:
-        """Call `Worker.<method>(*args)` on every rank; the values in rank order.
-
-        Arguments and values cross as msgpack (numbers, strings, lists, dicts, numpy arrays,
-        tensors); msgspec Structs come back as their array or dict form.
-
-        Raises:
-            WorkerError: a rank raised (the message names the rank and carries its error).
-            WorkerDiedError: an actor died before every rank answered.
-            TimeoutError: not every rank answered within `timeout` seconds.
-        """
-        with self._send_lock:
-            call_id, future = self._pending.add_call()
-            if not future.done():
-                try:
-                    self._broadcast(FrameKind.RPC, RpcRequest(call_id, method, tuple(args)))
-                except WorkerDiedError as exc:
-                    self._pending.fail(exc)
-                except BaseException:
-                    self._pending.drop_call(call_id)
-                    raise
-        try:
-            return future.result(timeout)
-        except TimeoutError:
-            self._pending.drop_call(call_id)
-            raise
-
-    def check_health(self) -> None:
-        """Raise the first fault (an actor died or a worker raised), if any.
-
-        Raises:
-            WorkerDiedError, WorkerError, ExecutorShutdownError: the executor cannot run steps.
-        """
-        if self._pending.failure is not None:
-            raise self._pending.failure
 
     # ---- shutdown -------------------------------------------------------------------------
 
