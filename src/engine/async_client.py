@@ -16,8 +16,12 @@ healthy); aborts go to the owning core, utility calls to all.
 
 Each core's fault-tolerance state (`fault_tolerance.EngineFaultState`) follows the
 `FaultStatus` messages it publishes: an UNHEALTHY core is not dead (the client stays up and
-new requests fail fast with `EngineRecoveringError`); a DEAD one, or a core process that
-exits, makes the whole client dead.
+new requests fail fast with `EngineRecoveringError`); a DEAD one makes the whole client dead.
+A core process that exits is restarted when fault tolerance is on (`watch_cores`): its
+requests fail at once, it is UNHEALTHY until the new process's handshake arrives on the
+output socket (told apart from outputs by its tag), and the new process takes over the old
+one's routing id (ROUTER_HANDOVER). With fault tolerance off, or when the restart fails, the
+client is dead.
 """
 
 from __future__ import annotations
@@ -26,6 +30,8 @@ import itertools
 import logging
 import os
 import shutil
+import time
+from collections.abc import Callable
 from typing import Any
 
 import msgspec
@@ -49,6 +55,8 @@ from ringserve.engine.wire import (
     EngineCoreOutputs,
     EngineCoreRequest,
     EngineStatus,
+    FaultStatus,
+    HandshakeReply,
     UtilityCall,
 )
 from ringserve.serial import MsgpackDecoder, MsgpackEncoder
@@ -83,6 +91,8 @@ class AsyncMPClient:
         self._dir = make_ipc_dir()
         self.input_sock = self.ctx.socket(zmq.ROUTER)
         self.input_sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        # A restarted core connects with its predecessor's routing id: it takes the id over.
+        self.input_sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
         self.input_sock.setsockopt(zmq.LINGER, 0)
         self.output_sock = self.ctx.socket(zmq.PULL)
         self.output_sock.setsockopt(zmq.LINGER, 0)
@@ -93,6 +103,7 @@ class AsyncMPClient:
         self._executor = executor
         self._encoder = MsgpackEncoder()
         self._decoder = MsgpackDecoder(EngineCoreOutputs)
+        self._handshake_decoder = MsgpackDecoder(HandshakeReply)
         self._send_lock = trio.Lock()
         self._call_ids = itertools.count(1)
         self._calls: dict[int, tuple[trio.Event, list[Any]]] = {}
@@ -100,6 +111,10 @@ class AsyncMPClient:
         self.dead: str | None = None
         self.fault_states = [EngineFaultState(i) for i in range(self.num_engines)]
         self._closed = False
+        # Cores being restarted after their process died, and their handshake waiters.
+        self.restarting: set[int] = set()
+        self._handshakes: dict[int, tuple[trio.Event, list[HandshakeReply]]] = {}
+        self.restarts = [0] * self.num_engines
         self.num_blocks = 0
         self.max_model_len = config.model_config.max_model_len
 
@@ -166,17 +181,39 @@ class AsyncMPClient:
             raise EngineRecoveringError(f"{RECOVERING_MESSAGE} ({faults})")
 
     def send_nowait(self, engine: int, message: Any) -> bool:
-        """One non-blocking send; False when the socket would block (HWM reached)."""
+        """One non-blocking send; False when the socket would block (HWM reached).
+
+        Raises:
+            EngineDeadError: the engine is dead.
+            EngineRecoveringError: the core is being restarted (its process died); aborts
+                for it are dropped instead (its requests ended with it).
+        """
         self._check_alive()
+        if engine in self.restarting:
+            if isinstance(message, AbortRequests):
+                return True
+            raise EngineRecoveringError(f"{RECOVERING_MESSAGE} (engine core {engine} is "
+                                        "being restarted)")
         frames = [f"core{engine}".encode(), *self._encoder.encode(message)]
         try:
             self.input_sock.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
         except zmq.Again:
             return False
         except zmq.ZMQError as exc:
+            if exc.errno == zmq.EHOSTUNREACH and self._restarts_cores:
+                # The core's process is gone and its watcher is about to restart it.
+                if isinstance(message, AbortRequests):
+                    return True
+                raise EngineRecoveringError(f"{RECOVERING_MESSAGE} (engine core {engine} "
+                                            "is unreachable)") from exc
             self.mark_dead(f"cannot reach engine core {engine}: {exc}")
             self._check_alive()
         return True
+
+    @property
+    def _restarts_cores(self) -> bool:
+        """Fault tolerance is on: a core whose process dies is restarted."""
+        return self.config.fault_tolerance_config.enable_fault_tolerance
 
     async def send(self, engine: int, message: Any) -> None:
         """Send, waiting for room when the socket is full."""
@@ -254,10 +291,12 @@ class AsyncMPClient:
                 if not _events(sock) & zmq.POLLIN:
                     await trio.lowlevel.wait_readable(_fd(sock))
                 continue
+            buffers = [f.buffer for f in frames]
             try:
-                outputs = self._decoder.decode([f.buffer for f in frames])
+                outputs = self._decoder.decode(buffers)
             except (msgspec.MsgspecError, ValueError, TypeError) as exc:
-                logger.warning("dropped a malformed engine-core output frame: %s", exc)
+                if not self._take_handshake(buffers):
+                    logger.warning("dropped a malformed engine-core output frame: %s", exc)
                 continue
             if outputs.utility_output is not None or outputs.fault_status is not None:
                 self._dispatch_utility(outputs)  # a dead notice: the next turn raises
@@ -266,6 +305,23 @@ class AsyncMPClient:
                     continue
             self.record_stats(outputs)
             return outputs
+
+    def _take_handshake(self, buffers: list[Any]) -> bool:
+        """Hand a restarted core's handshake to its waiter; False if `buffers` is not one."""
+        if len(buffers) != 1:
+            return False
+        try:
+            reply = self._handshake_decoder.decode(buffers)
+        except (msgspec.MsgspecError, ValueError, TypeError):
+            return False
+        waiter = self._handshakes.get(reply.engine_index)
+        if waiter is None:
+            logger.warning("dropped an unexpected handshake from engine core %d",
+                           reply.engine_index)
+        else:
+            waiter[1].append(reply)
+            waiter[0].set()
+        return True
 
     def _dispatch_utility(self, outputs: EngineCoreOutputs) -> None:
         utility = outputs.utility_output
@@ -288,27 +344,105 @@ class AsyncMPClient:
             self.mark_dead(f"engine core {outputs.engine_index} is dead: "
                            f"{status.ft_error or status.fault_info}")
 
-    async def watch_cores(self) -> None:
-        """Return (after marking the engine dead) as soon as any core process exits."""
-        fds = [os.pidfd_open(proc.pid) for proc in self.processes]
-        try:
-            async with trio.open_nursery() as nursery:
-                done = trio.Event()
+    async def watch_cores(self, on_core_death: Callable[[int, str], None]) -> None:
+        """Watch the core processes; return once the engine is dead (marked dead).
 
-                async def wait_one(fd: int, proc: CoreProcess) -> None:
-                    await trio.lowlevel.wait_readable(fd)
-                    await trio.to_thread.run_sync(proc.exited.wait)
-                    if not self._closed:
-                        self.mark_dead(f"engine core {proc.engine_index} {proc.describe_exit()}")
-                    done.set()
+        A core process that exits while the client is open is a fault. With fault tolerance
+        on, and unless the core had declared itself DEAD first (an `abort`, or no instruction
+        within the recovery timeout), the core is restarted: it is marked UNHEALTHY,
+        `on_core_death(index, reason)` fails its requests, its pending utility calls fail, a
+        new process starts on the same sockets and, after its handshake, the core is HEALTHY
+        again. Otherwise, or when the restart fails, the engine is dead.
 
-                for fd, proc in zip(fds, self.processes, strict=True):
-                    nursery.start_soon(wait_one, fd, proc)
-                await done.wait()
-                nursery.cancel_scope.cancel()
-        finally:
-            for fd in fds:
+        Args:
+            on_core_death: called at once with the core's index and what happened to it.
+        """
+        async with trio.open_nursery() as nursery:
+            for index in range(self.num_engines):
+                nursery.start_soon(self._watch_core, index, on_core_death, nursery.cancel_scope)
+
+    async def _watch_core(self, index: int, on_core_death: Callable[[int, str], None],
+                          scope: trio.CancelScope) -> None:
+        while True:
+            proc = self.processes[index]
+            fd = os.pidfd_open(proc.pid)
+            try:
+                await trio.lowlevel.wait_readable(fd)
+            finally:
                 os.close(fd)
+            await trio.to_thread.run_sync(proc.exited.wait)
+            if self._closed:
+                scope.cancel()
+                return
+            reason = f"engine core {index} {proc.describe_exit()}"
+            if self.dead is None and self._restarts_cores and not self._declared_dead(index):
+                logger.error("%s: restarting it", reason)
+                fault = f"{reason}; it is being restarted"
+                self._core_lost(index, fault)
+                on_core_death(index, fault)
+                failure = await self._restart_core(index)
+                if failure is None:
+                    continue
+                reason = f"{reason}; its restart failed: {failure}"
+            self.mark_dead(reason)
+            on_core_death(index, reason)
+            scope.cancel()
+            return
+
+    def _declared_dead(self, index: int) -> bool:
+        return self.fault_states[index].status == str(EngineStatus.DEAD)
+
+    def _core_lost(self, index: int, fault: str) -> None:
+        """Mark a core UNHEALTHY while it restarts and fail its pending utility calls."""
+        self.restarting.add(index)
+        state = self.fault_states[index]
+        state.status = str(EngineStatus.UNHEALTHY)
+        state.fault_info = fault
+        state.ft_error = None
+        for event, results in self._calls.values():
+            if not any(engine == index for engine, _failure, _value in results):
+                results.append((index, fault, None))
+                event.set()
+
+    async def _restart_core(self, index: int) -> str | None:
+        """Start a new process for core `index`; None once it is ready, else why not."""
+        old = self.processes[index]
+        old.lifeline.cut()
+        event, replies = trio.Event(), list[HandshakeReply]()
+        self._handshakes[index] = (event, replies)
+        started = time.monotonic()
+        try:
+            proc = await trio.to_thread.run_sync(
+                lambda: CoreProcess(self.config, index, self.input_addr, self.output_addr,
+                                    self._executor))
+            self.processes[index] = proc
+            with trio.move_on_after(envs.engine_ready_timeout_s()):
+                async with trio.open_nursery() as nursery:
+                    async def exited() -> None:
+                        await trio.to_thread.run_sync(proc.exited.wait, abandon_on_cancel=True)
+                        nursery.cancel_scope.cancel()
+                    nursery.start_soon(exited)
+                    await event.wait()
+                    nursery.cancel_scope.cancel()
+        except OSError as exc:
+            return f"cannot start a process: {exc}"
+        finally:
+            self._handshakes.pop(index, None)
+        if not replies:
+            if proc.exited.is_set():
+                return f"the new core {proc.describe_exit()} before it was ready"
+            proc.terminate()
+            return (f"the new core was not ready within {envs.engine_ready_timeout_s():.0f} s "
+                    "(RINGSERVE_ENGINE_READY_TIMEOUT_S)")
+        reply = replies[0]
+        if not reply.ready:
+            proc.terminate()
+            return reply.error
+        self.restarts[index] += 1
+        self.restarting.discard(index)
+        self.fault_states[index].update(FaultStatus(EngineStatus.HEALTHY))
+        logger.warning("engine core %d restarted in %.1f s", index, time.monotonic() - started)
+        return None
 
     def mark_dead(self, reason: str) -> None:
         """Record that the engine is dead; every later call raises EngineDeadError."""

@@ -184,9 +184,21 @@ class AsyncLLM:
 
     async def _watch_cores(self, scope: trio.CancelScope) -> None:
         assert self.client is not None  # set by run()
-        await self.client.watch_cores()
+        await self.client.watch_cores(self._core_died)
         self._fail_all(EngineDeadError(self.client.dead or "an engine core died"))
         scope.cancel()
+
+    def _core_died(self, index: int, reason: str) -> None:
+        """Fail the requests of a core whose process died (it is restarted, or the engine
+        dies with it)."""
+        client = self.client
+        assert client is not None
+        error = EngineDeadError(reason)
+        owned = [rid for rid in self.output_processor.request_states
+                 if client.engine_of(rid) in (index, None)]
+        self.output_processor.fail_requests(owned, error)
+        for rid in owned:
+            client.request_finished(rid)
 
     def _fail_all(self, error: EngineDeadError) -> None:
         self._errored = self._errored or error
@@ -286,16 +298,22 @@ class AsyncLLM:
         collector = RequestOutputCollector(params.output_kind)
         if params.n == 1:
             self.output_processor.add_request(request, text, queue=collector)
-            await client.add_request(request)
-            return collector
-        parent = ParentRequest(request_id, params)
-        children = [msgspec.structs.replace(request, request_id=cid,
-                                            sampling_params=parent.child_params(i))
-                    for i, cid in enumerate(parent.child_ids)]
-        for index, child in enumerate(children):
-            self.output_processor.add_request(child, text, parent, index, queue=collector)
-        for child in children:
-            await client.add_request(child)
+            children = [request]
+        else:
+            parent = ParentRequest(request_id, params)
+            children = [msgspec.structs.replace(request, request_id=cid,
+                                                sampling_params=parent.child_params(i))
+                        for i, cid in enumerate(parent.child_ids)]
+            for index, child in enumerate(children):
+                self.output_processor.add_request(child, text, parent, index, queue=collector)
+        try:
+            for child in children:
+                await client.add_request(child)
+        except BaseException:
+            # Not sent (its core is restarting, or the engine died): stop tracking it, and
+            # abort the children that did reach a core.
+            self._abort_now([request_id])
+            raise
         return collector
 
     def _live_client(self) -> AsyncMPClient:

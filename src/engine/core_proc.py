@@ -159,12 +159,14 @@ class EngineCoreProc:
         try:
             self.core = EngineCore(self.config, self._executor_class, self.engine_index)
         except Exception as exc:  # reported to the frontend, which raises it
-            self.output_queue.put(HandshakeReply(ready=False, error=describe(exc)))
+            self.output_queue.put(HandshakeReply(ready=False, error=describe(exc),
+                                                 engine_index=self.engine_index))
             return False
         self.watch_executor()
         self.output_queue.put(HandshakeReply(
             ready=True, num_blocks=self.core.num_blocks,
-            max_model_len=self.config.model_config.max_model_len))
+            max_model_len=self.config.model_config.max_model_len,
+            engine_index=self.engine_index))
         return True
 
     def watch_executor(self) -> None:

@@ -196,6 +196,23 @@ class OutputProcessor:
             self.parent_requests.pop(rid, None)
         return core_ids
 
+    def fail_requests(self, request_ids: list[str], error: BaseException) -> None:
+        """Fail the given (child) requests with `error` (their engine core died); forget them.
+
+        Ids no longer tracked are skipped.
+        """
+        for cid in request_ids:
+            state = self.request_states.get(cid)
+            if state is None:
+                continue
+            if state.queue is not None:
+                state.queue.put(error)
+            self._forget(state)
+            parent = state.parent
+            if parent is not None and not any(c in self.request_states
+                                              for c in parent.child_ids):
+                self.parent_requests.pop(parent.request_id, None)
+
     def propagate_error(self, error: BaseException) -> None:
         """Fail every tracked request with `error` (engine death); forget them all."""
         for state in list(self.request_states.values()):

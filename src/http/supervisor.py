@@ -17,9 +17,11 @@ while the engine is still starting cancels the tree at once (there is nothing to
 
 An engine core that reports a fault but may recover (UNHEALTHY: fault tolerance is on and it
 waits for a `retry`/`abort` instruction, `ringserve.http.fault_tolerance`) does not stop the
-server: `/health` and new `/v1` requests answer 503 until it is healthy again. Only a dead
-engine (`abort`, no instruction within the recovery timeout, a core process that exits, or a
-fault with `--no-enable-fault-tolerance`) does, as follows.
+server: `/health` and new `/v1` requests answer 503 until it is healthy again. Neither does
+a core process that dies (SIGKILL, a crash) while fault tolerance is on: `AsyncMPClient`
+fails its requests and restarts it (503 meanwhile). Only a dead engine (`abort`, no
+instruction within the recovery timeout, a core that cannot be restarted, or any core death
+or fault with `--no-enable-fault-tolerance`) does, as follows.
 
 An engine that dies while serving (`EngineDeadError` out of `AsyncLLM.run`) has already failed
 every pending request; the server stops admitting, gives those streams a few seconds to send

@@ -144,3 +144,57 @@ async def test_hung_worker_is_a_fault_and_the_recovery_timeout_ends_the_engine(
         finally:
             if Path(f"/proc/{worker}").exists():
                 os.kill(worker, signal.SIGKILL)
+
+
+@pytest.mark.slow
+async def test_killed_core_is_restarted(tiny_llama_dir: Path) -> None:
+    """SIGKILL of the core process: its stream fails at once, the core is UNHEALTHY (new
+    requests refused as recovering) until a new process is ready, then HEALTHY again with
+    the same greedy tokens; its old workers follow it."""
+    async with ft_engine(tiny_llama_dir) as llm:
+        assert llm.client is not None
+        before = await greedy_tokens(llm)
+        old_core, old_workers = llm.client.processes[0].pid, worker_pids(llm)
+        count = 0
+        with pytest.raises(EngineDeadError, match="SIGKILL; it is being restarted"):
+            async for _ in llm.generate(PROMPT, LONG):
+                count += 1
+                if count == 2:
+                    os.kill(old_core, signal.SIGKILL)
+        assert count < 400
+        status = llm.fault_status().engines[0]
+        if status.status == "unhealthy":  # the new core may already be up on a fast machine
+            assert "being restarted" in (status.fault_info or ""), status
+            with pytest.raises(EngineRecoveringError, match="recovering"):
+                await greedy_tokens(llm)
+        await wait_status(llm, "healthy", timeout=60)
+        assert llm.is_running and llm.is_healthy and llm.client.restarts == [1]
+        assert llm.client.processes[0].pid != old_core
+        assert await greedy_tokens(llm) == before
+        assert llm.output_processor.get_num_unfinished_requests() == 0
+        for pid in old_workers:
+            with trio.fail_after(10):
+                while Path(f"/proc/{pid}").exists() and _state(pid) not in ("Z", "X"):
+                    await trio.sleep(0.05)
+
+
+@pytest.mark.slow
+async def test_killed_core_without_fault_tolerance_ends_the_engine(
+        tiny_llama_dir: Path) -> None:
+    async with ft_engine(tiny_llama_dir, enable_fault_tolerance=False) as llm:
+        assert llm.client is not None
+        os.kill(llm.client.processes[0].pid, signal.SIGKILL)
+        with trio.fail_after(10):
+            while not llm.errored:
+                await trio.sleep(0.02)
+        assert llm.client.restarts == [0]
+        with pytest.raises(EngineDeadError, match="SIGKILL"):
+            await greedy_tokens(llm)
+
+
+def _state(pid: int) -> str:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return "X"
+    return stat[stat.rfind(")") + 2]

@@ -1,10 +1,10 @@
 """Deaths of `ringserve serve`'s processes, killed from outside with SIGKILL.
 
 * An engine core: every open stream ends with an error event and `[DONE]` within 1 s, and
-  `/health` answers 503 at once (checked in process, over the app: the live server, with no
-  core restart, stops accepting within milliseconds, and never answers 200 again); the core's workers follow it, and no shared-memory segment of
-  the core or its workers is left (the rings are unlinked as soon as both ends attach); the
-  server then exits and removes its ipc socket directory.
+  `/health` answers 503 at once; the core's workers follow it, and no shared-memory segment
+  of the core or its workers is left (the rings are unlinked as soon as both ends attach).
+  With fault tolerance on (the default) a new core starts and `/health` is 200 again; with
+  `--no-enable-fault-tolerance` the server exits 1 and removes its ipc socket directory.
 * The server itself: its engine cores and workers are gone within 2 s (lifelines), no segment
   is left after 3 s, and the next start removes what the killed run could not (its ipc socket
   directory, a stale segment).
@@ -94,11 +94,13 @@ def _dead_pid() -> int:
     return proc.pid
 
 
-async def _probe_health(url: str, since: float) -> list[tuple[float, int | str]]:
-    """Poll /health until the server stops answering: (seconds since `since`, status)."""
+async def _probe_health(url: str, since: float, *, until_healthy: bool = False,
+                        ) -> list[tuple[float, int | str]]:
+    """Poll /health until the server stops answering, or (`until_healthy`) answers 200 again
+    after a non-200: (seconds since `since`, status)."""
     seen: list[tuple[float, int | str]] = []
     async with httpx.AsyncClient(base_url=url, timeout=5) as probe:
-        with trio.move_on_after(30):
+        with trio.move_on_after(60):
             while True:
                 try:
                     status: int | str = (await probe.get("/health")).status_code
@@ -106,45 +108,85 @@ async def _probe_health(url: str, since: float) -> list[tuple[float, int | str]]
                     seen.append((time.monotonic() - since, type(exc).__name__))
                     return seen
                 seen.append((time.monotonic() - since, status))
+                if until_healthy and status == 200 and len(seen) > 1:
+                    return seen
                 await trio.sleep(0.01)
     return seen
 
 
-async def test_core_sigkill_ends_streams_and_flips_health(tiny_llama_dir: Path,
-                                                           tmp_path: Path) -> None:
+async def _kill_core_under_streams(
+        live: LiveServer, *, until_healthy: bool,
+) -> tuple[int, list[int], list[tuple[float, int | str]], list[tuple[float, list[str]]],
+           float]:
+    """SIGKILL the server's core while 4 streams run: (core, its workers, /health probes,
+    (end time, events) per stream, kill time)."""
+    (core,), workers = _tree(live.pid)
+    assert workers, live.output()
+    started = [trio.Event() for _ in range(4)]
+    ended: list[tuple[float, list[str]]] = []
+
+    async def stream(client: httpx.AsyncClient, index: int) -> None:
+        events: list[str] = []
+        async for event in _stream_events(client, _completion_body(400)):
+            events.append(event)
+            if len(events) == 2:
+                started[index].set()
+        ended.append((time.monotonic(), events))
+
+    async with (httpx.AsyncClient(base_url=live.url, timeout=30) as client,
+                trio.open_nursery() as nursery):
+        for index in range(4):
+            nursery.start_soon(stream, client, index)
+        with trio.fail_after(30):
+            for event in started:
+                await event.wait()
+        os.kill(core, signal.SIGKILL)
+        killed = time.monotonic()
+        probes = await _probe_health(live.url, killed, until_healthy=until_healthy)
+    return core, workers, probes, ended, killed
+
+
+def _check_streams_failed(ended: list[tuple[float, list[str]]], killed: float) -> None:
+    assert len(ended) == 4
+    for at, events in ended:
+        assert events[-1] == "[DONE]" and "error" in json.loads(events[-2]), events[-3:]
+        assert at - killed < 1.0 * SLACK, at - killed
+
+
+async def test_core_sigkill_is_restarted_with_fault_tolerance(tiny_llama_dir: Path,
+                                                              tmp_path: Path) -> None:
+    """Fault tolerance on (the default): the streams fail at once, /health answers 503 until
+    a new core is ready, then 200; the server keeps serving with the new core."""
     with LiveServer(tiny_llama_dir, tmp_path / "server.log", MP) as live:
-        (core,), workers = _tree(live.pid)
-        assert workers, live.output()
+        core, workers, probes, ended, killed = await _kill_core_under_streams(
+            live, until_healthy=True)
+        _check_streams_failed(ended, killed)
+        assert probes[0][1] == 503 and probes[0][0] < 1.0 * SLACK, probes
+        assert probes[-1][1] == 200, (probes[-3:], live.output())
+        assert all(status in (200, 503) for _, status in probes), probes
+        _wait_for(lambda: not any(_alive(p) for p in workers), 2.0 * SLACK)
+        assert _segments([core, *workers]) == []
+        (new_core,), new_workers = _tree(live.pid)
+        assert new_core != core and new_workers
+        async with httpx.AsyncClient(base_url=live.url, timeout=30) as client:
+            body = {**_completion_body(8), "stream": False}
+            response = await client.post("/v1/completions", json=body)
+            assert response.status_code == 200, response.text
+        assert live.proc is not None and live.proc.poll() is None
+
+
+async def test_core_sigkill_without_fault_tolerance_stops_the_server(
+        tiny_llama_dir: Path, tmp_path: Path) -> None:
+    with LiveServer(tiny_llama_dir, tmp_path / "server.log",
+                    (*MP, "--no-enable-fault-tolerance")) as live:
         assert _ipc_dirs(live.pid)
-        started = [trio.Event() for _ in range(4)]
-        ended: list[tuple[float, list[str]]] = []
-
-        async def stream(client: httpx.AsyncClient, index: int) -> None:
-            events: list[str] = []
-            async for event in _stream_events(client, _completion_body(400)):
-                events.append(event)
-                if len(events) == 2:
-                    started[index].set()
-            ended.append((time.monotonic(), events))
-
-        async with (httpx.AsyncClient(base_url=live.url, timeout=30) as client,
-                    trio.open_nursery() as nursery):
-            for index in range(4):
-                nursery.start_soon(stream, client, index)
-            with trio.fail_after(30):
-                for event in started:
-                    await event.wait()
-            os.kill(core, signal.SIGKILL)
-            killed = time.monotonic()
-            probes = await _probe_health(live.url, killed)
+        core, workers, probes, ended, killed = await _kill_core_under_streams(
+            live, until_healthy=False)
         # Without a core restart the server stops at once (its streams are done): /health
         # never answers 200 again, and stops answering within the bound.
         assert all(status == 503 or isinstance(status, str) for _, status in probes), probes
         assert probes[0][0] < 1.0 * SLACK, probes
-        assert len(ended) == 4
-        for at, events in ended:
-            assert events[-1] == "[DONE]" and "error" in json.loads(events[-2]), events[-3:]
-            assert at - killed < 1.0 * SLACK, at - killed
+        _check_streams_failed(ended, killed)
         # The workers follow their core; no segment of theirs or the core's is left.
         _wait_for(lambda: not any(_alive(p) for p in workers), 2.0 * SLACK)
         assert _segments([core, *workers]) == []
@@ -153,8 +195,8 @@ async def test_core_sigkill_ends_streams_and_flips_health(tiny_llama_dir: Path,
 
 
 async def test_core_sigkill_flips_health_at_once(tiny_llama_dir: Path) -> None:
-    """In process (the app without the supervisor, which would stop the server): after the
-    core's death every stream ends with an error and /health answers 503."""
+    """In process, over the app: after the core's death every stream ends with an error and
+    /health answers 503 (the core is being restarted meanwhile)."""
     checked = False
     try:
         async with serving(tiny_llama_dir, "default") as s:
