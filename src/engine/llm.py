@@ -6,6 +6,12 @@ and returns finished RequestOutputs in input order, with a progress bar; `chat` 
 conversations through the tokenizer's chat template first. Every prompt is validated before
 any is queued, so a bad one raises without leaving work behind. The engine's processes are
 closed by `close()`, on `with` exit, and at interpreter exit.
+
+Fault tolerance is on by default here too: when a worker dies or a step fails, the requests
+in flight come back with finish reason "error" and the core waits (up to
+`engine_recovery_timeout_sec`) for `apply_fault_instruction("retry" | "abort")`, or retries by
+itself with `fault_tolerance_auto_retry=N`; `enable_fault_tolerance=False` makes the engine
+die at once instead (the next call raises EngineDeadError).
 """
 
 from __future__ import annotations
@@ -13,14 +19,18 @@ from __future__ import annotations
 import atexit
 import itertools
 import time
+import uuid
 import weakref
 from collections.abc import Sequence
 from typing import Any
 
 from ringserve.engine.arg_utils import DEMO_MODEL, EngineArgs
+from ringserve.engine.errors import EngineDeadError
+from ringserve.engine.fault_tolerance import check_instruction
 from ringserve.engine.input_processor import PromptType, TokensPrompt
 from ringserve.engine.llm_engine import LLMEngine
 from ringserve.engine.metrics_reader import Metric
+from ringserve.engine.wire import FAULT_INSTRUCTION_METHOD
 from ringserve.outputs import RequestOutput
 from ringserve.sampling_params import RequestOutputKind, SamplingParams
 
@@ -80,6 +90,28 @@ class LLM:
     def reset_prefix_cache(self) -> bool:
         """Drop every cached prefix block that no request uses."""
         return bool(self.llm_engine.call_utility("reset_prefix_cache"))
+
+    def apply_fault_instruction(self, instruction: str) -> str:
+        """Tell the engine core what to do after a fault (a worker died, a step failed or
+        hung): `"retry"` rebuilds the workers (a no-op on a healthy core), `"abort"` shuts
+        the core down. Requests the fault ended came back with finish reason "error"; until
+        an instruction (or `fault_tolerance_auto_retry`), new ones do too.
+
+        Returns:
+            The instruction's id (the core reports it as `last_ft_request_id`).
+
+        Raises:
+            ValueError: an unknown instruction, or the retry failed (the message says why).
+            EngineDeadError: the engine is dead.
+        """
+        check_instruction(instruction, None)
+        rid = f"ft-{uuid.uuid4().hex}"
+        try:
+            self.llm_engine.call_utility(FAULT_INSTRUCTION_METHOD, instruction, rid)
+        except EngineDeadError:
+            if instruction != "abort":
+                raise
+        return rid
 
     # -- generation ----------------------------------------------------------------------------
 

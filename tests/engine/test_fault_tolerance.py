@@ -198,3 +198,33 @@ def _state(pid: int) -> str:
     except OSError:
         return "X"
     return stat[stat.rfind(")") + 2]
+
+
+@pytest.mark.slow
+def test_offline_llm_retry_after_a_worker_death(tiny_llama_dir: Path) -> None:
+    """`LLM`: a fault's requests come back with finish reason "error" (and new ones while the
+    core waits); `apply_fault_instruction("retry")` brings the same greedy output back."""
+    from ringserve import LLM
+
+    with LLM(str(tiny_llama_dir), device="cpu", max_model_len=512, kv_cache_memory=16 << 20,
+             distributed_executor_backend="mp") as llm:
+        before = llm.generate([PROMPT], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+        engine = llm.llm_engine.engine_core
+        core = engine.process.pid  # type: ignore[attr-defined]
+        kids = [int(k) for task in Path(f"/proc/{core}/task").iterdir()
+                for k in (task / "children").read_text().split()]
+        (worker,) = [pid for pid in kids if _title(pid).startswith("ringserve::Worker_TP")]
+        os.kill(worker, signal.SIGKILL)
+        refused = None
+        for _ in range(100):  # the idle core notices the death within moments
+            (out,) = llm.generate([PROMPT], GREEDY, use_tqdm=False)
+            refused = out.outputs[0]
+            if refused.finish_reason == "error":
+                break
+        assert refused is not None and refused.finish_reason == "error", refused
+        with pytest.raises(ValueError, match="allowed: retry, abort"):
+            llm.apply_fault_instruction("reboot")
+        llm.apply_fault_instruction("retry")
+        after = llm.generate([PROMPT], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+        assert after == before
+        llm.apply_fault_instruction("retry")  # healthy: a no-op
