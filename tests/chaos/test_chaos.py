@@ -243,7 +243,8 @@ async def _server_kill(chaos: Chaos) -> None:
 
 
 def _write_report(chaos: Chaos) -> None:
-    summary: dict[str, Any] = {"rounds": ROUNDS, "streams": chaos.streams, "faults": {}}
+    summary: dict[str, Any] = {"rounds": ROUNDS, "streams": chaos.streams,
+                               "processes_started": len(chaos.seen), "faults": {}}
     for fault, rows in chaos.timings.items():
         summary["faults"][fault] = {
             "count": len(rows),
