@@ -60,6 +60,7 @@ from ringserve.engine.wire import (
     UtilityCall,
 )
 from ringserve.serial import MsgpackDecoder, MsgpackEncoder
+from ringserve.shm import cleanup_stale
 
 logger = logging.getLogger(__name__)
 
@@ -375,12 +376,14 @@ class AsyncMPClient:
                 scope.cancel()
                 return
             reason = f"engine core {index} {proc.describe_exit()}"
+            _remove_dead_segments()
             if self.dead is None and self._restarts_cores and not self._declared_dead(index):
                 logger.error("%s: restarting it", reason)
                 fault = f"{reason}; it is being restarted"
                 self._core_lost(index, fault)
                 on_core_death(index, fault)
                 failure = await self._restart_core(index)
+                _remove_dead_segments()  # the old core's workers have exited by now
                 if failure is None:
                     continue
                 reason = f"{reason}; its restart failed: {failure}"
@@ -465,6 +468,14 @@ class AsyncMPClient:
         self.output_sock.close(linger=0)
         self.ctx.term()
         shutil.rmtree(self._dir, ignore_errors=True)
+
+
+def _remove_dead_segments() -> None:
+    """Unlink the ring segments of processes that died before both ends attached (a core
+    or worker killed while starting; attached segments are unlinked already)."""
+    removed = cleanup_stale()
+    if removed:
+        logger.info("removed %d shared-memory segment(s) of dead processes", len(removed))
 
 
 class DPLBAsyncMPClient(AsyncMPClient):
