@@ -228,3 +228,56 @@ def test_offline_llm_retry_after_a_worker_death(tiny_llama_dir: Path) -> None:
         after = llm.generate([PROMPT], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
         assert after == before
         llm.apply_fault_instruction("retry")  # healthy: a no-op
+
+
+@pytest.mark.slow
+async def test_killed_core_of_two_fails_only_its_requests(tiny_llama_dir: Path) -> None:
+    """DP=2 (null model): killing core 1 fails only the streams routed to it; core 0's go
+    on to the end; new requests go to core 0 meanwhile; core 1 comes back."""
+    args = EngineArgs(model=str(tiny_llama_dir), device="cpu", max_model_len=2048,
+                      kv_cache_memory=16 << 20, num_gpu_blocks_override=4096,
+                      data_parallel_size=2)
+    params = SamplingParams(max_tokens=2000, ignore_eos=True, output_kind=RequestOutputKind.DELTA)
+    async with AsyncLLM.from_engine_args(args, executor="null") as llm:
+        client = llm.client
+        assert client is not None
+        outcomes: dict[str, str] = {}
+        started = [trio.Event() for _ in range(8)]
+
+        async def stream(i: int) -> None:
+            try:
+                async for _ in llm.generate({"prompt_token_ids": [5 + i] * 8}, params, f"s{i}"):
+                    started[i].set()
+                    await trio.sleep(0.001)
+                outcomes[f"s{i}"] = "finished"
+            except EngineDeadError as exc:
+                outcomes[f"s{i}"] = str(exc)
+
+        owners: dict[str, int | None] = {}
+        async with trio.open_nursery() as nursery:
+            for i in range(8):
+                nursery.start_soon(stream, i)
+            with trio.fail_after(30):
+                for event in started:
+                    await event.wait()
+            owners = {f"s{i}": client.engine_of(f"s{i}") for i in range(8)}
+            os.kill(client.processes[1].pid, signal.SIGKILL)
+            with trio.fail_after(10):
+                while 1 not in client.restarting:
+                    await trio.sleep(0.005)
+            # Core 0 is healthy: a new request is served meanwhile (by core 0).
+            out = [o async for o in llm.generate({"prompt_token_ids": [9] * 4},
+                                                 SamplingParams(max_tokens=4))]
+            assert out[-1].finished
+        assert sorted(owners.values()) == [0] * 4 + [1] * 4, owners
+        for rid, engine in owners.items():
+            if engine == 0:
+                assert outcomes[rid] == "finished", outcomes
+            else:
+                assert "engine core 1 killed by signal SIGKILL" in outcomes[rid], outcomes
+        with trio.fail_after(60):
+            while llm.fault_status().engines[1].status != "healthy":
+                await trio.sleep(0.05)
+        assert client.restarts == [0, 1] and llm.is_healthy
+        assert len(await llm.call_utility("ping")) == 2
+        assert llm.output_processor.get_num_unfinished_requests() == 0
