@@ -13,6 +13,7 @@ Used by the engine core client and server sockets (frontend <-> core) and the ex
 
 from __future__ import annotations
 
+import math
 import sys
 from collections.abc import Sequence
 from typing import Any, Generic, TypeVar
@@ -137,16 +138,34 @@ class MsgpackDecoder(Generic[T]):
         self._bufs: Sequence[Buffer] = ()
 
     def decode(self, bufs: Buffer | Sequence[Buffer]) -> T:
-        """Decode one message from its body (and out-of-band buffers, if any)."""
+        """Decode one message from its body (and out-of-band buffers, if any).
+
+        Raises:
+            msgspec.DecodeError: the bytes are not msgpack, nest too deeply, or hold an array
+                that numpy or torch cannot build (bad dtype, shape, size or buffer index).
+            msgspec.ValidationError: the message does not match the type.
+        """
         if isinstance(bufs, bytes | bytearray | memoryview):
             bufs = (bufs,)
         self._bufs = bufs
         try:
             return self._decoder.decode(bufs[0])
+        except RecursionError:
+            raise msgspec.DecodeError("ringserve wire: the message nests too deeply") from None
         finally:
             self._bufs = ()
 
     def _ext_hook(self, code: int, data: memoryview) -> Any:
+        try:
+            return self._decode_array(code, data)
+        except msgspec.MsgspecError:
+            raise
+        except Exception as exc:
+            # numpy and torch reject a bad header with ValueError, TypeError or RuntimeError;
+            # callers catch one error type for "this frame is malformed".
+            raise msgspec.DecodeError(f"ringserve wire: malformed array: {exc}") from exc
+
+    def _decode_array(self, code: int, data: memoryview) -> Any:
         if code not in _KNOWN_EXT_CODES:
             raise msgspec.DecodeError(f"ringserve wire: unknown extension type {code}")
         header = _header_decoder.decode(data)
@@ -182,6 +201,11 @@ def _tensor_from_bytes(raw: Buffer, dtype: str, shape: tuple[int, ...]) -> Any:
     torch_dtype = getattr(torch, dtype, None)
     if not isinstance(torch_dtype, torch.dtype):
         raise msgspec.DecodeError(f"ringserve wire: unknown tensor dtype {dtype!r}")
+    # Checked before anything is allocated: a bogus shape must not reserve memory.
+    if min(shape, default=0) < 0 or math.prod(shape) * torch_dtype.itemsize != len(raw):
+        raise msgspec.DecodeError(
+            f"ringserve wire: {len(raw)} bytes do not hold a {dtype} tensor of shape {list(shape)}"
+        )
     if len(raw) == 0:
         return torch.empty(shape, dtype=torch_dtype)
     view = memoryview(raw)

@@ -123,3 +123,23 @@ def test_missing_out_of_band_buffer_is_a_decode_error() -> None:
     bufs = MsgpackEncoder().encode(Logprobs(big, big, big))
     with pytest.raises(msgspec.DecodeError, match="missing out-of-band buffer"):
         MsgpackDecoder(Logprobs).decode(bufs[:1])
+
+
+def _array_ext(code: int, dtype: str, shape: list[int], data: bytes = b"", index: int = -1) -> bytes:
+    header = msgspec.msgpack.encode([dtype, shape, index, data])
+    return msgspec.msgpack.encode([msgspec.msgpack.Ext(code, header)])
+
+
+@pytest.mark.parametrize("body", [
+    _array_ext(1, "float32", [1], b"abc"),            # numpy: size not a multiple of the dtype
+    _array_ext(1, "<i4", [2**62]),                    # numpy: cannot reshape
+    _array_ext(1, "no-such-dtype", [1], b"abcd"),     # numpy: TypeError
+    _array_ext(3, "float32", [1], b"abc"),            # torch: RuntimeError in view()
+    _array_ext(3, "float32", [2**40]),                # torch: would allocate 4 TiB
+    _array_ext(3, "float32", [-1], b"abcd"),
+    b"\x91" * 100_000 + b"\x01",                      # RecursionError inside msgspec
+])
+def test_every_malformed_message_is_a_msgspec_error(body: bytes) -> None:
+    # Callers that drop malformed frames catch msgspec.MsgspecError; nothing else may escape.
+    with pytest.raises(msgspec.DecodeError):
+        MsgpackDecoder(list[object]).decode(body)

@@ -10,6 +10,8 @@ fence), ``wait`` (spin / predict / park), ``liveness`` (peer death), ``poller``,
 """
 
 from ringserve.shm.errors import (
+    CorruptFrameError,
+    CorruptRingError,
     FrameTooLargeError,
     PeerDiedError,
     RingClosedError,
@@ -22,6 +24,8 @@ from ringserve.shm.segment import cleanup_stale
 from ringserve.shm.wait import WaitPolicy, WaitStats
 
 __all__ = [
+    "CorruptFrameError",
+    "CorruptRingError",
     "Frame",
     "FrameTooLargeError",
     "PeerDiedError",

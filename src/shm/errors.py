@@ -42,5 +42,25 @@ class RingClosedError(RingError):
     """The other side closed the ring in an orderly way and nothing is left to read."""
 
 
+class CorruptFrameError(RingError):
+    """A frame header that no `RingWriter` writes: the reader skipped it and what follows.
+
+    The header's length runs past the data the writer has published or past the end of the data
+    area, or it sets the reserved wrap bit without being the wrap marker. The reader cannot know
+    where the next frame starts, so it moves on to the writer's published index (always a frame
+    boundary), dropping the bytes in between; ``release()`` hands them back to the writer. The
+    ring stays usable: the next ``recv`` returns the next frame the writer publishes.
+    """
+
+
+class CorruptRingError(RingError):
+    """The writer's published index breaks the ring's invariant: nothing more can be read.
+
+    A writer is never more than ``capacity`` bytes ahead of a reader's released index, nor
+    behind what that reader has already read. An index that says otherwise means the control
+    block was overwritten (or the writer is not a `RingWriter`); the ring is unusable.
+    """
+
+
 class UnsupportedPlatformError(RingError):
     """The rings rely on x86-64 ordering and Linux eventfds (see ``fence.py``)."""

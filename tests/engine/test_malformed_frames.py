@@ -35,8 +35,17 @@ def _bad_array_in_utility_args() -> bytes:
         msgspec.msgpack.Ext(1, header)]))[0]  # type: ignore[return-value]
 
 
+def _bad_tensor_in_utility_args() -> bytes:
+    """A UtilityCall whose argument is a 3-byte float32 tensor (torch raises RuntimeError)."""
+    header = msgspec.msgpack.encode(["float32", [1], -1, b"abc"])
+    return MsgpackEncoder().encode(UtilityCall(7, "is_sleeping", [
+        msgspec.msgpack.Ext(3, header)]))[0]  # type: ignore[return-value]
+
+
 GARBAGE = [
     [_bad_array_in_utility_args()],
+    [_bad_tensor_in_utility_args()],
+    [b"\x91" * 100_000 + b"\x01"],    # nested past the recursion limit
     [b"\xc1"],                      # not msgpack at all
     [b"\x92\x01\x02"],              # msgpack, wrong shape
     [os.urandom(64)],

@@ -1,8 +1,9 @@
 """Errors the executors raise to the engine core: all of them are engine faults.
 
 A step or utility call that cannot complete because a worker died (`WorkerDiedError`), a worker
-raised (`WorkerError`), or the executor was shut down under it (`ExecutorShutdownError`). The
-engine core maps any of them to its fault handling (fail in-flight requests, report unhealthy).
+raised (`WorkerError`), its answer was lost to a malformed frame (`FrameLostError`), or the
+executor was shut down under it (`ExecutorShutdownError`). The engine core maps any of them to
+its fault handling (fail in-flight requests, report unhealthy).
 """
 
 from __future__ import annotations
@@ -45,6 +46,21 @@ class WorkerError(ExecutorError):
     def __init__(self, rank: int, message: str, worker_traceback: str = "") -> None:
         self.rank = rank
         self.worker_traceback = worker_traceback
+        super().__init__(message)
+
+
+class FrameLostError(ExecutorError):
+    """A worker's answer to a step or call never arrived: its frame was malformed and dropped.
+
+    Each rank answers in the order it was asked, so an answer to a later step (or call) proves
+    that the earlier one's frame was lost.
+
+    Attributes:
+        rank: the rank whose answer was lost.
+    """
+
+    def __init__(self, rank: int, message: str) -> None:
+        self.rank = rank
         super().__init__(message)
 
 

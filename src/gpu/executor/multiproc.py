@@ -22,6 +22,16 @@ thread* ends: this thread lives exactly as long as its worker). A worker's exit 
 and exit status, and `check_health()` raises from then on; a reader parked on a dead worker's
 ring wakes through the ring's pidfd watch as well.
 
+Malformed frames (`inbound.py` says what each loss means to the protocol): a frame that does
+not decode as the type its kind names, or whose ring header is invalid, is logged (rate-limited)
+and dropped, and the reader thread keeps serving; the workers do the same on the broadcast
+ring. A dropped frame is not a fault by itself. If it was a step's output, that step fails with
+`FrameLostError` as soon as rank 0 answers a later step; if no later step comes, only the engine
+core's `--execute-model-timeout-s` turns the wait into a fault (without it, the core waits for
+good). A utility call whose reply was dropped fails once that rank answers a later call, else
+when its `collective_rpc` timeout passes. A corrupt ring control block (`CorruptRingError`)
+fails everything in flight, like a worker's death.
+
 Zero copy: a worker lays the msgpack body and the array buffers straight into its ring frame;
 the reader thread decodes the body in place. Array buffers (logprobs) are copied out of the
 frame before it is released, because a ring releases all received frames at once and the
@@ -41,26 +51,25 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
 
 from ringserve import envs
 from ringserve.config import EngineConfig
 from ringserve.gpu.executor.errors import ExecutorShutdownError, WorkerDiedError, WorkerError
+from ringserve.gpu.executor.inbound import DECODE_ERRORS, ResponseHandler, kind_name
 from ringserve.gpu.executor.remote import RemoteWorkersExecutor
 from ringserve.gpu.executor.wire import (
     FrameKind,
-    RpcReply,
     StepError,
     WorkerSpec,
     read_buffers,
     write_message,
 )
-from ringserve.gpu.wire import ModelRunnerOutput
 from ringserve.lifeline import Lifeline
-from ringserve.serial import MsgpackDecoder
 from ringserve.shm import (
-    Frame,
+    CorruptFrameError,
     PeerDiedError,
     RingClosedError,
     RingReader,
@@ -75,6 +84,39 @@ WORKER_MODULE = "ringserve.gpu.executor.worker_proc"
 ATTACH_TIMEOUT_S = 30.0  # workers attach before importing torch; this only bounds a broken start
 SHUTDOWN_GRACE_S = 2.0  # after the shutdown frame, before SIGTERM
 READ_TICK_S = 0.5  # a reader thread re-checks the stop flag this often (a fallback only)
+
+
+def serve_responses(ring: RingReader, handler: ResponseHandler, stopping: Callable[[], bool],
+                    tick_s: float = READ_TICK_S) -> None:
+    """Decode every frame of one response ring into `handler`; drop the malformed ones.
+
+    Returns when `stopping()` is true at a read tick (an idle ring is re-checked every
+    `tick_s`). A frame is released before its message is applied: the decoded message owns its
+    data (out-of-band arrays are copied out of the frame).
+
+    Raises:
+        PeerDiedError, RingClosedError: the worker died or closed the ring.
+        CorruptRingError: the ring's control block is corrupt (nothing more can be read).
+    """
+    while True:
+        try:
+            frame = ring.recv(tick_s)
+        except RingTimeoutError:
+            if stopping():
+                return
+            continue
+        except CorruptFrameError as exc:
+            ring.release()  # hand the skipped bytes back, or the writer may wait for them
+            handler.drops.drop(exc)
+            continue
+        try:
+            message = handler.decode(frame.kind, read_buffers(frame.data, copy_out_of_band=True))
+        except DECODE_ERRORS as exc:
+            handler.drops.drop(f"{kind_name(frame.kind)} frame: {exc}")
+            continue
+        finally:
+            ring.release()
+        handler.apply(message)
 
 
 def free_port() -> int:
@@ -203,38 +245,16 @@ class MultiprocExecutor(RemoteWorkersExecutor):
 
     def _read_loop(self, rank: int) -> None:
         """Serve rank `rank`'s response ring until the worker closes it, dies, or we stop."""
-        ring = self._outs[rank]
-        output_decoder = MsgpackDecoder(ModelRunnerOutput)
-        reply_decoder = MsgpackDecoder(RpcReply)
-        error_decoder = MsgpackDecoder(StepError)
-        while True:
-            try:
-                frame = ring.recv(READ_TICK_S)
-            except RingTimeoutError:
-                if self._stopping:
-                    return
-                continue
-            except (PeerDiedError, RingClosedError):
-                if not self._stopping:
-                    self._pending.fail(self._death_error(rank))
-                return
-            try:
-                if frame.kind == FrameKind.OUTPUT:
-                    self._pending.complete_step(output_decoder.decode(self._buffers(frame)))
-                elif frame.kind == FrameKind.RPC_REPLY:
-                    self._pending.complete_call(reply_decoder.decode(self._buffers(frame)))
-                elif frame.kind == FrameKind.STEP_ERROR:
-                    self._step_failed(error_decoder.decode(self._buffers(frame)))
-                else:
-                    raise RuntimeError(f"worker rank {rank} sent an unknown frame kind {frame.kind}")
-            except Exception as exc:  # a malformed frame is an engine fault, not a silent drop
+        handler = ResponseHandler(self._pending, self._step_failed, f"worker rank {rank}")
+        try:
+            serve_responses(self._outs[rank], handler, lambda: self._stopping)
+        except (PeerDiedError, RingClosedError):
+            if not self._stopping:
+                self._pending.fail(self._death_error(rank))
+        except Exception as exc:  # a corrupt ring, or a bug here: a fault, never a silent hang
+            if not self._stopping:
+                logger.exception("worker rank %d: the response reader failed", rank)
                 self._pending.fail(exc)
-            finally:
-                ring.release()
-
-    @staticmethod
-    def _buffers(frame: Frame) -> list[Any]:
-        return read_buffers(frame.data, copy_out_of_band=True)
 
     def _step_failed(self, error: StepError) -> None:
         logger.error("worker rank %d failed in step %d:\n%s", error.rank, error.step_id, error.traceback)

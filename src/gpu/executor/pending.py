@@ -15,7 +15,7 @@ from collections import deque
 from concurrent.futures import Future
 from typing import Any
 
-from ringserve.gpu.executor.errors import WorkerError
+from ringserve.gpu.executor.errors import FrameLostError, WorkerError
 from ringserve.gpu.executor.wire import RpcReply
 from ringserve.gpu.wire import ModelRunnerOutput
 
@@ -60,22 +60,35 @@ class Pending:
             if self._steps and self._steps[-1][1] is future:
                 self._steps.pop()
 
-    def complete_step(self, output: ModelRunnerOutput) -> None:
-        """Complete the oldest step with rank 0's output (ignored once failed).
+    def complete_step(self, output: ModelRunnerOutput) -> bool:
+        """Complete the step `output` answers with rank 0's output.
 
-        Raises:
-            RuntimeError: the output answers another step than the oldest one (a protocol bug).
+        Rank 0 answers steps in submission order, so an answer to a later step than the oldest
+        one in flight means the oldest's output frame was lost (malformed, dropped): that is an
+        engine fault, and everything in flight fails with `FrameLostError`.
+
+        Returns:
+            False when no step in flight has the output's id (a stray frame: nothing changed);
+            True otherwise (also once failed: a late answer to a failed step is ignored).
         """
         with self._lock:
-            if not self._steps:
-                return  # its future was already failed
-            step_id, future = self._steps[0]
-            if step_id != output.step_id:
-                raise RuntimeError(
-                    f"worker rank 0 answered step {output.step_id}, expected step {step_id}"
-                )
-            self._steps.popleft()
-        future.set_result(output)
+            if self.failure is not None:
+                return True
+            steps = self._steps
+            if not steps:
+                return False
+            oldest, future = steps[0]
+            if oldest == output.step_id:
+                steps.popleft()
+            elif all(step_id != output.step_id for step_id, _ in steps):
+                return False
+        if oldest == output.step_id:
+            future.set_result(output)
+        else:
+            self.fail(FrameLostError(0, f"worker rank 0 answered step {output.step_id} before "
+                                        f"step {oldest}: the output of step {oldest} was lost "
+                                        "(a malformed frame was dropped)"))
+        return True
 
     def add_call(self) -> tuple[int, Future[list[Any]]]:
         """A new call id and the future of every rank's value."""
@@ -94,17 +107,48 @@ class Pending:
         with self._lock:
             self._calls.pop(call_id, None)
 
-    def complete_call(self, reply: RpcReply) -> None:
-        """Record one rank's reply; the last one completes the call's future."""
+    def complete_call(self, reply: RpcReply) -> bool:
+        """Record one rank's reply; the last one completes the call's future.
+
+        A rank answers calls in the order they were made, so its reply to a call also means
+        that its replies to earlier calls still waiting for it were lost (malformed frames,
+        dropped): those calls fail with `FrameLostError`. A reply to a call nobody waits for
+        (its caller timed out, or a stray frame) is ignored.
+
+        Returns:
+            False when the reply names a rank that does not exist (nothing changed), else True.
+        """
+        if not 0 <= reply.rank < self._world:
+            return False
+        rank = reply.rank
         with self._lock:
             call = self._calls.get(reply.call_id)
-            if call is None or not 0 <= reply.rank < self._world:
-                return
-            call.replies[reply.rank] = reply
-            replies = [r for r in call.replies if r is not None]
-            if len(replies) < self._world:
-                return
-            del self._calls[reply.call_id]
+            if call is None:
+                return True
+            lost = [(call_id, earlier) for call_id, earlier in self._calls.items()
+                    if call_id < reply.call_id and earlier.replies[rank] is None]
+            for call_id, _ in lost:
+                del self._calls[call_id]
+            done = self._record(call, reply)
+        for call_id, earlier in lost:
+            earlier.future.set_exception(FrameLostError(
+                rank, f"worker rank {rank} answered call {reply.call_id} before call {call_id}: "
+                      f"its reply to call {call_id} was lost (a malformed frame was dropped)"))
+        if done:
+            self._finish(call)
+        return True
+
+    def _record(self, call: _Call, reply: RpcReply) -> bool:
+        """Store `reply` (the lock is held); whether the call now has every rank's reply."""
+        call.replies[reply.rank] = reply
+        if any(r is None for r in call.replies):
+            return False
+        del self._calls[reply.call_id]
+        return True
+
+    @staticmethod
+    def _finish(call: _Call) -> None:
+        replies = [r for r in call.replies if r is not None]
         errors = [r for r in replies if r.error is not None]
         if errors:
             first = errors[0]

@@ -54,6 +54,7 @@ import zmq
 from ringserve import envs
 from ringserve.config import EngineConfig
 from ringserve.gpu.executor.errors import ExecutorShutdownError, WorkerDiedError, WorkerError
+from ringserve.gpu.executor.inbound import DECODE_ERRORS, ResponseHandler
 from ringserve.gpu.executor.ray_worker import (
     HELLO,
     RayWorker,
@@ -62,9 +63,7 @@ from ringserve.gpu.executor.ray_worker import (
     split_message,
 )
 from ringserve.gpu.executor.remote import RemoteWorkersExecutor
-from ringserve.gpu.executor.wire import FrameKind, RpcReply, StepError
-from ringserve.gpu.wire import ModelRunnerOutput
-from ringserve.serial import MsgpackDecoder
+from ringserve.gpu.executor.wire import FrameKind, StepError
 
 logger = logging.getLogger(__name__)
 
@@ -307,26 +306,28 @@ class RayExecutor(RemoteWorkersExecutor):
     # ---- replies and deaths ---------------------------------------------------------------
 
     def _read_loop(self) -> None:
-        """Serve the PULL socket until the context is terminated (shutdown)."""
-        output_decoder = MsgpackDecoder(ModelRunnerOutput)
-        reply_decoder = MsgpackDecoder(RpcReply)
-        error_decoder = MsgpackDecoder(StepError)
+        """Serve the PULL socket until the context is terminated (shutdown).
+
+        A malformed message is logged (rate-limited) and dropped, as on the mp executor's rings
+        (`inbound.py` says how a lost answer surfaces).
+        """
+        handler = ResponseHandler(self._pending, self._step_failed, "the Ray workers")
         try:
             while True:
                 try:
-                    kind, bufs = split_message(self._out.recv_multipart(copy=False))
-                    if kind == FrameKind.OUTPUT:
-                        self._pending.complete_step(output_decoder.decode(bufs))
-                    elif kind == FrameKind.RPC_REPLY:
-                        self._pending.complete_call(reply_decoder.decode(bufs))
-                    elif kind == FrameKind.STEP_ERROR:
-                        self._step_failed(error_decoder.decode(bufs))
-                    else:
-                        raise RuntimeError(f"a Ray worker sent an unknown message kind {kind}")
+                    frames = self._out.recv_multipart(copy=False)
                 except zmq.ContextTerminated:
                     return
-                except Exception as exc:  # a malformed message is an engine fault, not a drop
-                    self._pending.fail(exc)
+                try:
+                    kind, bufs = split_message(frames)
+                    message = handler.decode(kind, bufs)
+                except DECODE_ERRORS as exc:
+                    handler.drops.drop(exc)
+                    continue
+                handler.apply(message)
+        except Exception as exc:  # a bug here is an engine fault, never a silent hang
+            logger.exception("the Ray executor's reply reader failed")
+            self._pending.fail(exc)
         finally:
             self._out.close(linger=0)
 

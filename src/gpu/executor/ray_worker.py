@@ -16,8 +16,9 @@ bookkeeping is pickled. The data path is zmq over TCP, msgpack through `ringserv
 
 The loop mirrors `worker_proc.WorkerLoop`: rank 0 sends each step's `ModelRunnerOutput`; every
 rank answers every `RpcRequest` with an `RpcReply`; the rank whose `execute_model` raises sends a
-`StepError` and keeps serving; `SHUTDOWN` ends `RayWorker.run`. Imports no ray and no torch at
-module level (torch is imported inside the actor, after it said hello).
+`StepError` and keeps serving; `SHUTDOWN` ends `RayWorker.run`; a malformed message is logged
+(rate-limited) and dropped (`inbound.py`). Imports no ray and no torch at module level (torch
+is imported inside the actor, after it said hello).
 """
 
 from __future__ import annotations
@@ -31,9 +32,10 @@ import msgspec
 import zmq
 
 from ringserve.config import EngineConfig
+from ringserve.gpu.executor.inbound import DECODE_ERRORS, DropLog, RequestDecoder
 from ringserve.gpu.executor.wire import FrameKind, RpcRequest
 from ringserve.gpu.executor.worker_calls import rpc_reply, step_reply
-from ringserve.serial import Buffer, MsgpackDecoder, MsgpackEncoder
+from ringserve.serial import Buffer, MsgpackEncoder
 
 HELLO = b"hello"
 REPLY_LINGER_MS = 1000  # how long a closing PUSH socket may still flush its last replies
@@ -90,28 +92,29 @@ class StepLoop:
     """
 
     def __init__(self, worker: Any, rank: int, inbox: zmq.Socket[Any], outbox: zmq.Socket[Any]) -> None:
-        from ringserve.gpu.wire import SchedulerOutput
-
         self.worker = worker
         self.rank = rank
         self.inbox = inbox
         self.outbox = outbox
-        self._step_decoder = MsgpackDecoder(SchedulerOutput)
-        self._rpc_decoder = MsgpackDecoder(RpcRequest)
+        self._decoder = RequestDecoder()
         self._encoder = MsgpackEncoder()
+        self.drops = DropLog(f"Ray worker rank {rank}")
 
     def run(self) -> None:
-        """Serve messages until a shutdown message (returns)."""
+        """Serve messages until a shutdown message (returns); malformed ones are dropped."""
         while True:
-            kind, bufs = split_message(self.inbox.recv_multipart(copy=False))
-            if kind == FrameKind.STEP:
-                self._step(self._step_decoder.decode(bufs))
-            elif kind == FrameKind.RPC:
-                self._rpc(self._rpc_decoder.decode(bufs))
-            elif kind == FrameKind.SHUTDOWN:
-                return
+            try:
+                kind, bufs = split_message(self.inbox.recv_multipart(copy=False))
+                if kind == FrameKind.SHUTDOWN:
+                    return
+                message = self._decoder.decode(kind, bufs)
+            except DECODE_ERRORS as exc:
+                self.drops.drop(exc)
+                continue
+            if isinstance(message, RpcRequest):
+                self._rpc(message)
             else:
-                raise ValueError(f"worker {self.rank}: unknown message kind {kind}")
+                self._step(message)
 
     def _step(self, so: Any) -> None:
         reply = step_reply(self.worker, self.rank, so, self._encoder)

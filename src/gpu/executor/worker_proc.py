@@ -14,7 +14,11 @@ serve the broadcast ring until a shutdown frame or the executor's death:
 * `SHUTDOWN`: close both rings and exit 0.
 
 Every frame is decoded and released before the work starts, so the executor can queue the
-next step while this one runs (async scheduling).
+next step while this one runs (async scheduling). A frame that does not decode as the type its
+kind names (or an unknown kind, or an invalid ring header) is logged to stderr (rate-limited)
+and dropped, and the worker keeps serving; it sends nothing back for it, so the executor sees a
+lost answer (`inbound.py` says how that surfaces: the next step's output, or the engine core's
+execute-model timeout).
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from typing import Any
 
 import msgspec
 
+from ringserve.gpu.executor.inbound import DECODE_ERRORS, DropLog, RequestDecoder, kind_name
 from ringserve.gpu.executor.wire import (
     FrameKind,
     RpcRequest,
@@ -35,8 +40,8 @@ from ringserve.gpu.executor.wire import (
 )
 from ringserve.gpu.executor.worker_calls import rpc_reply, step_reply
 from ringserve.lifeline import install_lifeline
-from ringserve.serial import MsgpackDecoder, MsgpackEncoder
-from ringserve.shm import PeerDiedError, RingClosedError, RingReader, RingWriter
+from ringserve.serial import MsgpackEncoder
+from ringserve.shm import CorruptFrameError, PeerDiedError, RingClosedError, RingReader, RingWriter
 
 
 class WorkerLoop:
@@ -50,34 +55,48 @@ class WorkerLoop:
     """
 
     def __init__(self, worker: Any, rank: int, sched: RingReader, out: RingWriter) -> None:
-        from ringserve.gpu.wire import SchedulerOutput
-
         self.worker = worker
         self.rank = rank
         self.sched = sched
         self.out = out
-        self._step_decoder = MsgpackDecoder(SchedulerOutput)
-        self._rpc_decoder = MsgpackDecoder(RpcRequest)
+        self._decoder = RequestDecoder()
         self._encoder = MsgpackEncoder()
+        self.drops = DropLog(f"worker rank {rank}")
 
     def run(self) -> None:
-        """Serve frames until a shutdown frame (returns) or the executor's death (raises)."""
+        """Serve frames until a shutdown frame (returns) or the executor's death (raises).
+
+        A malformed frame (or an invalid ring header) is logged and dropped: nothing is sent
+        back for it, and the loop goes on with the next frame.
+
+        Raises:
+            PeerDiedError, RingClosedError: the executor died or closed the ring.
+            CorruptRingError: the broadcast ring's control block is corrupt.
+        """
+        sched = self.sched
         while True:
-            frame = self.sched.recv()
+            try:
+                frame = sched.recv()
+            except CorruptFrameError as exc:
+                sched.release()  # hand the skipped bytes back, or the writer may wait for them
+                self.drops.drop(exc)
+                continue
             kind = frame.kind
-            if kind == FrameKind.STEP:
-                so = self._step_decoder.decode(read_buffers(frame.data, copy_out_of_band=True))
-                self.sched.release()
-                self._step(so)
-            elif kind == FrameKind.RPC:
-                request = self._rpc_decoder.decode(read_buffers(frame.data, copy_out_of_band=True))
-                self.sched.release()
-                self._rpc(request)
-            elif kind == FrameKind.SHUTDOWN:
-                self.sched.release()
+            if kind == FrameKind.SHUTDOWN:
+                sched.release()
                 return
+            try:
+                message = self._decoder.decode(kind, read_buffers(frame.data, copy_out_of_band=True))
+            except DECODE_ERRORS as exc:
+                self.drops.drop(f"{kind_name(kind)} frame: {exc}")
+                continue
+            finally:
+                # Released before the work starts, so the executor can queue the next step.
+                sched.release()
+            if isinstance(message, RpcRequest):
+                self._rpc(message)
             else:
-                raise ValueError(f"worker {self.rank}: unknown frame kind {kind}")
+                self._step(message)
 
     def _step(self, so: Any) -> None:
         reply = step_reply(self.worker, self.rank, so, self._encoder)
