@@ -80,6 +80,9 @@ from ringserve.shm import (
 
 logger = logging.getLogger(__name__)
 
+# How long a failed step waits for a peer's death to show before reporting the step's error.
+_PEER_DEATH_WAIT_S = 0.5
+
 WORKER_MODULE = "ringserve.gpu.executor.worker_proc"
 ATTACH_TIMEOUT_S = 30.0  # workers attach before importing torch; this only bounds a broken start
 SHUTDOWN_GRACE_S = 2.0  # after the shutdown frame, before SIGTERM
@@ -258,8 +261,29 @@ class MultiprocExecutor(RemoteWorkersExecutor):
 
     def _step_failed(self, error: StepError) -> None:
         logger.error("worker rank %d failed in step %d:\n%s", error.rank, error.step_id, error.traceback)
+        # A collective failing in one rank is most often the symptom of another rank's death
+        # (gloo: "connection closed by peer"): report the death, the cause, when there is one.
+        died = self._dead_peer(error.rank)
+        if died is not None:
+            self._pending.fail(died)
+            return
         message = f"worker rank {error.rank} failed in step {error.step_id}: {error.error}"
         self._pending.fail(WorkerError(error.rank, message, error.traceback))
+
+    def _dead_peer(self, rank: int) -> WorkerDiedError | None:
+        """A worker other than `rank` that has exited, waiting up to `_PEER_DEATH_WAIT_S` for
+        one to show (a killed peer's sockets close as it dies); None when all are alive."""
+        deadline = time.monotonic() + _PEER_DEATH_WAIT_S
+        while True:
+            for other, proc in enumerate(self._procs):
+                if other == rank or proc is None:
+                    continue
+                exited, exitcode = _exit_status(proc)
+                if exited:
+                    return WorkerDiedError(other, exitcode)
+            if time.monotonic() >= deadline or self.world_size == 1:
+                return None
+            time.sleep(0.01)
 
     def _death_error(self, rank: int) -> WorkerDiedError:
         """The error for a worker whose ring says it is gone (its exit status, if it has one)."""
@@ -329,3 +353,18 @@ class MultiprocExecutor(RemoteWorkersExecutor):
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
+
+
+def _exit_status(proc: subprocess.Popen[bytes]) -> tuple[bool, int | None]:
+    """(exited, exit status if known) without reaping: the worker's wait thread does that."""
+    if proc.returncode is not None:
+        return True, proc.returncode
+    try:
+        info = os.waitid(os.P_PID, proc.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+    except ChildProcessError:
+        return True, proc.returncode  # reaped meanwhile
+    if info is None:
+        return False, None
+    if info.si_code == os.CLD_EXITED:
+        return True, info.si_status
+    return True, -info.si_status
