@@ -15,6 +15,15 @@ from typing import Any
 import msgspec
 
 _GREEDY_EPS = 1e-5
+# The most outputs one request may ask for (vLLM's default VLLM_MAX_N_SEQUENCES): each is a
+# request of its own, built at once, so an unbounded `n` is a denial of service.
+MAX_N = 16384
+# top_k travels to the workers as int32; anything at or past the vocabulary means "off".
+_MAX_TOP_K = 2**31 - 1
+# torch.Generator.manual_seed's range (past it, the wire's msgpack ints end too).
+_MIN_SEED, _MAX_SEED = -(2**63), 2**64 - 1
+# Token counts travel as msgpack ints: past int64 a request could not even be sent.
+_MAX_INT64 = 2**63 - 1
 
 
 class RequestOutputKind(enum.IntEnum):
@@ -80,12 +89,13 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
         self._verify_token_lists()
 
     def _verify_counts(self) -> None:
-        if self.n < 1:
-            raise _fail("n", self.n, "an integer >= 1")
-        if self.max_tokens is not None and self.max_tokens < 1:
-            raise _fail("max_tokens", self.max_tokens, "an integer >= 1, or None (up to max_model_len)")
-        if self.min_tokens < 0:
-            raise _fail("min_tokens", self.min_tokens, "an integer >= 0")
+        if not 1 <= self.n <= MAX_N:
+            raise _fail("n", self.n, f"an integer in [1, {MAX_N}]")
+        if self.max_tokens is not None and not 1 <= self.max_tokens <= _MAX_INT64:
+            raise _fail("max_tokens", self.max_tokens,
+                        "an integer in [1, 2**63), or None (up to max_model_len)")
+        if not 0 <= self.min_tokens <= _MAX_INT64:
+            raise _fail("min_tokens", self.min_tokens, "an integer in [0, 2**63)")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise _fail("min_tokens", self.min_tokens, f"at most max_tokens ({self.max_tokens})")
         if self.logprobs is not None and self.logprobs < -1:
@@ -108,10 +118,13 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
             raise _fail("temperature", self.temperature, "a float >= 0 (0 means greedy)")
         if not 0.0 < self.top_p <= 1.0:
             raise _fail("top_p", self.top_p, "a float in (0, 1]")
-        if self.top_k < -1:
-            raise _fail("top_k", self.top_k, "0 or -1 (disabled) or an integer >= 1")
+        if not -1 <= self.top_k <= _MAX_TOP_K:
+            raise _fail("top_k", self.top_k,
+                        f"0 or -1 (disabled) or an integer in [1, {_MAX_TOP_K}]")
         if not 0.0 <= self.min_p <= 1.0:
             raise _fail("min_p", self.min_p, "a float in [0, 1]")
+        if self.seed is not None and not _MIN_SEED <= self.seed <= _MAX_SEED:
+            raise _fail("seed", self.seed, "None or an integer in [-2**63, 2**64)")
 
     def _verify_stops(self) -> None:
         if self.stop is not None and any(s == "" for s in self.stop):

@@ -6,6 +6,7 @@ import msgspec
 import pytest
 
 from ringserve import RequestOutputKind, SamplingParams, SamplingType
+from ringserve.sampling_params import MAX_N
 from ringserve.serial import MsgpackDecoder, MsgpackEncoder
 
 
@@ -23,17 +24,23 @@ def test_defaults_match_vllm() -> None:
 @pytest.mark.parametrize(
     ("field", "value", "allowed"),
     [
-        ("n", 0, ">= 1"),
+        ("n", 0, "[1, 16384]"),
+        ("n", MAX_N + 1, "[1, 16384]"),  # each output is a request: an unbounded n exhausts memory
+        ("seed", 2**64, "[-2**63, 2**64)"),  # past the wire's and torch's integers
+        ("seed", -(2**63) - 1, "[-2**63, 2**64)"),
         ("temperature", -0.1, ">= 0"),
         ("top_p", 0.0, "(0, 1]"),
         ("top_p", 1.5, "(0, 1]"),
         ("top_k", -2, "-1"),
+        ("top_k", 2**31, "[1, 2147483647]"),  # an int32 on the workers: a bigger one faulted them
         ("min_p", 1.5, "[0, 1]"),
         ("presence_penalty", 2.5, "[-2, 2]"),
         ("frequency_penalty", -2.5, "[-2, 2]"),
         ("repetition_penalty", 0.0, "> 0"),
-        ("max_tokens", 0, ">= 1"),
-        ("min_tokens", -1, ">= 0"),
+        ("max_tokens", 0, "[1, 2**63)"),
+        ("max_tokens", 2**63, "[1, 2**63)"),  # past int64 it could not be sent to a core
+        ("min_tokens", -1, "[0, 2**63)"),
+        ("min_tokens", 2**63, "[0, 2**63)"),
         ("logprobs", -2, ">= 0"),
         ("prompt_logprobs", -5, ">= 0"),
         ("stop", ["ok", ""], "non-empty"),
@@ -90,3 +97,10 @@ def test_wire_round_trip_and_validation_on_decode() -> None:
     bad = msgspec.msgpack.encode({"top_p": 0.0})
     with pytest.raises(msgspec.ValidationError, match="top_p"):
         dec.decode(bad)
+
+
+def test_largest_accepted_integers_still_cross_the_wire() -> None:
+    enc, dec = MsgpackEncoder(), MsgpackDecoder(SamplingParams)
+    for p in (SamplingParams(n=MAX_N), SamplingParams(top_k=2**31 - 1),
+              SamplingParams(seed=2**64 - 1), SamplingParams(seed=-(2**63))):
+        assert dec.decode(enc.encode(p)) == p

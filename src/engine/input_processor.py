@@ -15,6 +15,8 @@ from ringserve.config import ModelConfig
 from ringserve.engine.wire import EngineCoreRequest
 from ringserve.sampling_params import SamplingParams
 
+_MIN_PRIORITY, _MAX_PRIORITY = -(2**63), 2**63 - 1
+
 
 class TokensPrompt(TypedDict, total=False):
     """A pre-tokenized prompt, as in vLLM: `{"prompt_token_ids": [...]}`."""
@@ -53,9 +55,13 @@ class InputProcessor:
 
         Raises:
             ValueError: bad sampling parameters, an empty or over-long prompt, token ids
-                outside the vocabulary, or a text prompt without a tokenizer.
+                outside the vocabulary, a text prompt without a tokenizer, or a priority
+                outside int64.
         """
         cfg = self.model_config
+        if not _MIN_PRIORITY <= priority <= _MAX_PRIORITY:
+            # It travels as a msgpack int64: a larger one would fail to encode after admission.
+            raise ValueError(f"priority: got {priority}, allowed: an integer in [-2**63, 2**63)")
         params.verify_for_model(vocab_size=cfg.vocab_size, max_logprobs=cfg.max_logprobs)
         text, token_ids, cache_salt = self._tokenize(prompt)
         self._check_prompt(token_ids, params)
@@ -101,7 +107,7 @@ class InputProcessor:
                 f"prompt: {len(token_ids)} tokens, but max_model_len is {cfg.max_model_len} "
                 "(the prompt plus at least one output token must fit)"
             )
-        if params.max_tokens is not None and params.min_tokens > cfg.max_model_len - len(token_ids):
+        if params.min_tokens > cfg.max_model_len - len(token_ids):
             raise ValueError(
                 f"min_tokens: {params.min_tokens} cannot fit after a {len(token_ids)}-token prompt "
                 f"within max_model_len {cfg.max_model_len}"

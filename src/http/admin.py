@@ -15,7 +15,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from ringserve.http.context import AppContext
+from ringserve.http.context import TOO_DEEP, AppContext
 from ringserve.http.errors import bad_request
 from ringserve.http.responses import json_response
 
@@ -33,6 +33,8 @@ async def _param(request: Request, name: str) -> Any:
         values = msgspec.json.decode(body, type=dict[str, Any])
     except (msgspec.ValidationError, msgspec.DecodeError) as exc:
         raise bad_request(f"Invalid request body: {exc} (expected a JSON object)") from None
+    except RecursionError:
+        raise bad_request(TOO_DEEP) from None
     return values.get(name)
 
 
@@ -52,6 +54,9 @@ class Admin:
             level = 1 if raw is None else int(raw)
         except (TypeError, ValueError):
             raise bad_request(f"level: got {raw!r}, allowed: 1 or 2", "level") from None
+        if level not in (1, 2):  # checked here too: a huge int would not even reach a core
+            raise bad_request(f"sleep level: got {level!r}, allowed: 1 (KV cache) or 2 "
+                              "(+ weights)", "level")
         await self._call("sleep", level)
         return Response(status_code=200)
 

@@ -15,6 +15,11 @@ from ringserve.http.context import AppContext
 from ringserve.http.errors import bad_request
 from ringserve.http.protocol import ChatMessage
 
+# apply_chat_template's own arguments that `chat_template_kwargs` may not set: a client's
+# template would be compiled and run here (vLLM refuses it too), and the others would clash
+# with what render_chat passes.
+_RESERVED_KWARGS = frozenset({"chat_template", "conversation", "tokenize"})
+
 
 def _content(message: ChatMessage, index: int) -> str:
     content = message.content
@@ -55,8 +60,14 @@ def render_chat(ctx: AppContext, conversation: list[dict[str, str]], *,
     """The prompt text of a conversation.
 
     Raises:
-        APIError: 400 for contradictory flags or a conversation the template rejects.
+        APIError: 400 for contradictory flags, a reserved key in `template_kwargs`, or a
+            conversation or variables the template rejects.
     """
+    reserved = sorted(_RESERVED_KWARGS & (template_kwargs or {}).keys())
+    if reserved:
+        raise bad_request(f"chat_template_kwargs: {', '.join(reserved)} cannot be set by a "
+                          "request; allowed: the chat template's own variables",
+                          "chat_template_kwargs")
     if add_generation_prompt and continue_final_message:
         raise bad_request("continue_final_message: cannot be combined with "
                           "add_generation_prompt=true (set it to false)",
@@ -71,6 +82,8 @@ def render_chat(ctx: AppContext, conversation: list[dict[str, str]], *,
         options["chat_template"] = ctx.settings.chat_template
     try:
         return str(ctx.tokenizer.apply_chat_template(conversation, **options))
-    except (jinja2.TemplateError, ValueError) as exc:
+    except (jinja2.TemplateError, ValueError, TypeError) as exc:
+        # TypeError: a variable of the wrong type (`tools`, `documents`, or one the template
+        # computes with), or a `messages` variable clashing with the conversation.
         raise bad_request(f"messages: the chat template rejected them: {exc}",
                           "messages") from None

@@ -24,6 +24,8 @@ from ringserve.http.settings import ServerState, ServeSettings
 
 T = TypeVar("T")
 
+TOO_DEEP = "Invalid request body: JSON nested too deeply"
+
 # Texts longer than this are tokenized in a worker thread (the same cut-off as AsyncLLM's).
 _INLINE_TOKENIZE_CHARS = 2048
 
@@ -61,7 +63,8 @@ class AppContext:
         """Decode the JSON body as `kind`.
 
         Raises:
-            APIError: 400 for malformed JSON or a field of the wrong type (path named).
+            APIError: 400 for malformed or too deeply nested JSON, or a field of the wrong
+                type (path named).
             APIError: 413 from the body limit.
         """
         body = await request.body()
@@ -73,6 +76,8 @@ class AppContext:
             error = error_from_exception(exc)
             assert error is not None
             raise error from None
+        except RecursionError:  # msgspec's answer to deeply nested JSON
+            raise bad_request(TOO_DEEP) from None
 
     def check_model(self, model: str | None) -> None:
         """Raises APIError 404 unless `model` is the served model (or omitted)."""

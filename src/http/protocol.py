@@ -10,9 +10,12 @@ OpenAI's clients send fields this server does not use (`user`, `tools` ...).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Annotated, Any
 
 import msgspec
+
+# The engine core receives it as a msgpack int64: past that it cannot even be sent.
+Int64 = Annotated[int, msgspec.Meta(ge=-(2**63), le=2**63 - 1)]
 
 
 class StreamOptions(msgspec.Struct, kw_only=True):
@@ -49,7 +52,7 @@ class SamplingRequest(msgspec.Struct, kw_only=True):
     prompt_logprobs: int | None = None
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
-    priority: int = 0
+    priority: Int64 = 0
     request_id: str | None = None
     cache_salt: str | None = None
 

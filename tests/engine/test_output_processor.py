@@ -161,3 +161,7 @@ def test_input_processor_tokenizes_and_checks(tok: Any, model_config: ModelConfi
         ip.process("f", "x", SamplingParams(logprobs=21))
     with pytest.raises(ValueError, match="prompt: expected a string"):
         ip.process("g", 42, SamplingParams())  # type: ignore[arg-type]
+    # An int64 on the wire: a larger priority used to fail to encode after admission.
+    with pytest.raises(ValueError, match=r"priority: got 9223372036854775808"):
+        ip.process("h", "x", SamplingParams(), priority=2**63)
+    assert ip.process("i", "x", SamplingParams(), priority=-(2**63))[0].priority == -(2**63)

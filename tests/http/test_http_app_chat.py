@@ -79,3 +79,23 @@ async def test_continue_final_message_and_template(tiny_llama_dir: Path) -> None
         r = await s.http.post("/v1/chat/completions", json={
             "messages": [{"role": "user", "content": "x " * 600}]})
         assert "maximum context length is 512 tokens" in error_of(r, 400)["message"]
+
+
+async def test_chat_template_kwargs_reserved_keys_and_bad_values(tiny_llama_dir: Path) -> None:
+    # Found by tests/http/test_http_fuzz.py: each of these was a 500. A client's own
+    # template is refused, as vLLM refuses it (it would be compiled and run here).
+    async with serving(tiny_llama_dir) as s:
+        body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+        for key, value in [("chat_template", "{{ 7 * 7 }}"), ("chat_template", 0),
+                           ("conversation", []), ("tokenize", True)]:
+            r = await s.http.post("/v1/chat/completions", json={
+                **body, "chat_template_kwargs": {key: value}})
+            error = error_of(r, 400)
+            assert error["param"] == "chat_template_kwargs" and key in error["message"]
+        for kwargs in ({"documents": [5]}, {"tools": 5}, {"messages": 1}):
+            r = await s.http.post("/v1/chat/completions", json={
+                **body, "chat_template_kwargs": kwargs})
+            assert "chat template rejected" in error_of(r, 400)["message"], kwargs
+        r = await s.http.post("/v1/chat/completions", json={
+            **body, "chat_template_kwargs": {"enable_thinking": False}})
+        assert r.status_code == 200, r.text

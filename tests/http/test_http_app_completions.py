@@ -103,3 +103,22 @@ async def test_completion_stream(tiny_llama_dir: Path) -> None:
         events = sse_events(r.text)
         assert events[-1] == "[DONE]" and all(e["usage"] is None for e in events[:-1])
         assert s.state.in_flight == 0 and s.state.idle.is_set()
+
+
+async def test_huge_integers_and_deep_nesting_are_400s(tiny_llama_dir: Path) -> None:
+    # Found by tests/http/test_http_fuzz.py: an int the wire cannot carry was a 500 (seed,
+    # priority, top_k; a top_k past int32 also faulted real workers), a huge n made one
+    # request per output until memory ran out, and msgspec's RecursionError was a 500.
+    async with serving(tiny_llama_dir) as s:
+        for name, value in [("n", 2**63 - 1), ("top_k", 10**30), ("seed", 2**64),
+                            ("priority", 2**64)]:
+            for stream in (False, True):
+                r = await s.http.post("/v1/completions", json={
+                    "prompt": "hi", "max_tokens": 2, "stream": stream, name: value})
+                assert error_of(r, 400)["param"] == name, r.text
+        deep = b'{"prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
+        r = await s.http.post("/v1/completions", content=deep)
+        assert "nested too deeply" in error_of(r, 400)["message"]
+        r = await s.http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2})
+        assert r.status_code == 200, r.text
+        assert (await drained(s.engine))["kv_cache_usage"] == 0.0

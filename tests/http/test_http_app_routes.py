@@ -78,6 +78,19 @@ async def test_small_routes_and_admin(tiny_llama_dir: Path) -> None:
         assert r.status_code == 200, r.text
 
 
+async def test_admin_bodies_out_of_range_or_too_deep(tiny_llama_dir: Path) -> None:
+    # Found by tests/http/test_http_fuzz.py: both were 500s (a level the wire cannot carry,
+    # msgspec's RecursionError).
+    settings = ServeSettings(served_model_name=MODEL, admin_api_key="sk-admin")
+    async with serving(tiny_llama_dir, settings=settings) as s:
+        r = await s.http.post("/sleep", headers=ADMIN, json={"level": 10**30})
+        assert "sleep level" in error_of(r, 400)["message"]
+        deep = b'{"mode": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
+        r = await s.http.post("/pause", headers=ADMIN, content=deep)
+        assert "nested too deeply" in error_of(r, 400)["message"]
+        assert (await s.http.get("/is_sleeping", headers=ADMIN)).json() == {"is_sleeping": False}
+
+
 async def test_limits_unknown_routes_health_and_draining(tiny_llama_dir: Path) -> None:
     async with serving(tiny_llama_dir, settings=KEYS) as s:
         big = {"prompt": "x" * 5000}

@@ -413,7 +413,9 @@ async def test_tls_negotiates_h2_by_alpn(tiny_llama_dir: Path, tmp_path: Path) -
 
 async def test_engine_death_ends_streams_then_exits_one(tiny_llama_dir: Path,
                                                        tmp_path: Path) -> None:
-    with LiveServer(tiny_llama_dir, tmp_path / "server.log") as live:
+    # Without fault tolerance (with it, the core is restarted: test_http_server_deaths.py).
+    with LiveServer(tiny_llama_dir, tmp_path / "server.log",
+                    ("--no-enable-fault-tolerance",)) as live:
         (core,) = live.children()
         events: list[str] = []
         async with httpx.AsyncClient(base_url=live.url, timeout=30) as client:
