@@ -104,3 +104,22 @@ def _watch(fd: int) -> None:
         pass
     # EOF: the parent is gone. No cleanup can be trusted to finish; leave now.
     os._exit(1)
+
+
+def peek_exit_status(pid: int) -> tuple[bool, int | None]:
+    """Whether child `pid` has exited, and its status (negative: the signal), without reaping
+    it: its `Popen.wait` thread does that.
+
+    Returns:
+        (False, None) while it runs; (True, status) once it has exited, status None when it
+        was reaped meanwhile (read `Popen.returncode` then).
+    """
+    try:
+        info = os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+    except ChildProcessError:
+        return True, None
+    if info is None:
+        return False, None
+    if info.si_code == os.CLD_EXITED:
+        return True, info.si_status
+    return True, -info.si_status

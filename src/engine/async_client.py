@@ -366,12 +366,16 @@ class AsyncMPClient:
                           scope: trio.CancelScope) -> None:
         while True:
             proc = self.processes[index]
-            fd = os.pidfd_open(proc.pid)
             try:
-                await trio.lowlevel.wait_readable(fd)
-            finally:
-                os.close(fd)
-            await trio.to_thread.run_sync(proc.exited.wait)
+                fd = os.pidfd_open(proc.pid)
+            except ProcessLookupError:
+                pass  # it died and was reaped before this task started watching
+            else:
+                try:
+                    await trio.lowlevel.wait_readable(fd)
+                finally:
+                    os.close(fd)
+            # Acted on at once: the status is read without waiting for the reaping thread.
             if self._closed:
                 scope.cancel()
                 return

@@ -41,7 +41,7 @@ from ringserve.engine.wire import (
     HandshakeReply,
     UtilityCall,
 )
-from ringserve.lifeline import Lifeline
+from ringserve.lifeline import Lifeline, peek_exit_status
 from ringserve.serial import MsgpackDecoder, MsgpackEncoder
 
 logger = logging.getLogger(__name__)
@@ -108,10 +108,17 @@ class CoreProcess:
         return self.proc.pid
 
     def describe_exit(self) -> str:
-        """How the process ended, for error messages."""
+        """How the process ended, for error messages (it may not be reaped yet)."""
         code = self.proc.returncode
         if code is None:
-            return "still running"
+            exited, code = peek_exit_status(self.pid)
+            if not exited:
+                return "still running"
+            if code is None:  # reaped this instant by the watcher thread, which stores it next
+                self.exited.wait(1.0)
+                code = self.proc.returncode
+        if code is None:
+            return "exited"
         if code < 0:
             return f"killed by signal {signal.Signals(-code).name}"
         return f"exited with status {code}"

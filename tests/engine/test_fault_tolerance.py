@@ -281,3 +281,26 @@ async def test_killed_core_of_two_fails_only_its_requests(tiny_llama_dir: Path) 
         assert client.restarts == [0, 1] and llm.is_healthy
         assert len(await llm.call_utility("ping")) == 2
         assert llm.output_processor.get_num_unfinished_requests() == 0
+
+
+@pytest.mark.slow
+async def test_a_core_reaped_before_the_watch_starts_is_seen_dead(tiny_llama_dir: Path) -> None:
+    """The race the engine's start can lose: the core dies (and its watcher thread reaps it)
+    before `watch_cores` opens its pidfd; the death is still reported, with its signal."""
+    from ringserve.engine.async_client import AsyncMPClient
+
+    config = EngineArgs(model=str(tiny_llama_dir), device="cpu", max_model_len=512,
+                        kv_cache_memory=16 << 20, enable_fault_tolerance=False,
+                        ).create_engine_config()
+    client = await AsyncMPClient.create(config, executor="null")
+    try:
+        proc = client.processes[0]
+        os.kill(proc.pid, signal.SIGKILL)
+        assert proc.exited.wait(10)
+        deaths: list[tuple[int, str]] = []
+        with trio.fail_after(10):
+            await client.watch_cores(lambda index, reason: deaths.append((index, reason)))
+        assert deaths == [(0, "engine core 0 killed by signal SIGKILL")], deaths
+        assert client.dead is not None and "SIGKILL" in client.dead
+    finally:
+        client.shutdown()

@@ -67,7 +67,7 @@ from ringserve.gpu.executor.wire import (
     read_buffers,
     write_message,
 )
-from ringserve.lifeline import Lifeline
+from ringserve.lifeline import Lifeline, peek_exit_status
 from ringserve.shm import (
     CorruptFrameError,
     PeerDiedError,
@@ -359,12 +359,5 @@ def _exit_status(proc: subprocess.Popen[bytes]) -> tuple[bool, int | None]:
     """(exited, exit status if known) without reaping: the worker's wait thread does that."""
     if proc.returncode is not None:
         return True, proc.returncode
-    try:
-        info = os.waitid(os.P_PID, proc.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
-    except ChildProcessError:
-        return True, proc.returncode  # reaped meanwhile
-    if info is None:
-        return False, None
-    if info.si_code == os.CLD_EXITED:
-        return True, info.si_status
-    return True, -info.si_status
+    exited, status = peek_exit_status(proc.pid)
+    return exited, proc.returncode if status is None else status
