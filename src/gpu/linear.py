@@ -6,6 +6,14 @@ every logical sub-matrix, so fused projections such as q/k/v or gate/up stay fus
 The model code (`ringserve.gpu.models`) builds them; the loader (`ringserve.gpu.loader`) feeds
 each checkpoint tensor to `load(...)`, which narrows it to this rank's shard, so a full copy of
 a parallel weight never lives on a rank longer than the copy itself.
+
+After loading, `process_weights_after_loading` repacks float32 CPU weights into oneDNN's
+blocked layout (`pack_weight`) and drops the plain copy, as vLLM's CPU backend does: the MKL
+GEMM behind `F.linear` is slow for the few-row products of decode steps. Measured on the
+2-core benchmark VM (2 threads): the 256x8000 LM head at 32 rows 1.0 -> 0.6 ms, at 3 rows
+0.55 -> 0.09 ms; the 256x1024 gate/up projection at 19 rows 100 -> 61 us; prefill-sized
+products no slower. Results differ from `F.linear` only by float32 rounding order (~1e-6
+relative). Other devices and dtypes keep `F.linear`.
 """
 
 from __future__ import annotations
@@ -15,6 +23,38 @@ import torch.nn.functional as F
 from torch import nn
 
 from ringserve.gpu.parallel import TPGroup
+
+# The batch size oneDNN tunes the packed layout for; any number of rows works with it, and
+# the speed measured the same for hints of 32 and 4096 (a hint of 1 was slower at 3+ rows).
+_PACK_BATCH_HINT = 32
+
+
+def pack_weight(weight: torch.Tensor) -> torch.Tensor | None:
+    """oneDNN's prepacked copy of a `[out, in]` weight, or None where `F.linear` stays.
+
+    Packs float32 weights on CPU when torch has oneDNN (mkldnn); `packed_linear` uses them.
+    """
+    if weight.device.type != "cpu" or weight.dtype != torch.float32:
+        return None
+    if not (torch._C._has_mkldnn and torch._C._get_mkldnn_enabled()):
+        return None
+    # Private ops (inductor's CPU path uses them): fall back to F.linear if a torch lacks them.
+    if not (hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+            and hasattr(torch.ops.mkldnn, "_linear_pointwise")):
+        return None
+    packed: torch.Tensor = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), _PACK_BATCH_HINT)
+    return packed
+
+
+def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """`F.linear(x, weight, bias)` with the weight as `pack_weight` returned it."""
+    out: torch.Tensor = torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+    return out
+
+
+def _placeholder(dtype: torch.dtype) -> nn.Parameter:
+    # Stands for a weight that now lives only in packed form.
+    return nn.Parameter(torch.empty(0, dtype=dtype), requires_grad=False)
 
 
 class ColumnParallelLinear(nn.Module):
@@ -54,6 +94,16 @@ class ColumnParallelLinear(nn.Module):
         self.bias = (
             nn.Parameter(torch.empty(out, dtype=dtype), requires_grad=False) if bias else None
         )
+        self.packed: torch.Tensor | None = None
+
+    def process_weights_after_loading(self) -> None:
+        """Pack the loaded weight for this device's fastest GEMM (see the module docstring).
+
+        Call once, after every shard is loaded; `load` cannot run afterwards.
+        """
+        self.packed = pack_weight(self.weight)
+        if self.packed is not None:
+            self.weight = _placeholder(self.weight.dtype)
 
     def _shard_index(self, shard_id: int) -> int:
         n = self.shard_ranks[shard_id]
@@ -76,6 +126,8 @@ class ColumnParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """This rank's slice of the output features."""
+        if self.packed is not None:
+            return packed_linear(x, self.packed, self.bias)
         return F.linear(x, self.weight, self.bias)
 
 
@@ -98,6 +150,13 @@ class RowParallelLinear(nn.Module):
         self.bias = (
             nn.Parameter(torch.empty(output_size, dtype=dtype), requires_grad=False) if bias else None
         )
+        self.packed: torch.Tensor | None = None
+
+    def process_weights_after_loading(self) -> None:
+        """See `ColumnParallelLinear.process_weights_after_loading`."""
+        self.packed = pack_weight(self.weight)
+        if self.packed is not None:
+            self.weight = _placeholder(self.weight.dtype)
 
     def load(self, name: str, loaded: torch.Tensor, shard_id: int = 0) -> None:
         """Copy this rank's columns of the weight (or the whole bias)."""
@@ -112,7 +171,8 @@ class RowParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """The full output, summed over the ranks."""
-        y = self.tp.all_reduce(F.linear(x, self.weight))
+        partial = F.linear(x, self.weight) if self.packed is None else packed_linear(x, self.packed, None)
+        y = self.tp.all_reduce(partial)
         return y if self.bias is None else y + self.bias
 
 

@@ -3,7 +3,8 @@
 The worker calls `load_model`: it builds the architecture's model from the registry directly on
 the target device in the configured dtype, then streams the checkpoint tensor by tensor (one
 tensor in host memory at a time; each parallel layer narrows it to this rank's shard before the
-copy), so two full copies of the weights never coexist. The config itself was read through
+copy), so two full copies of the weights never coexist; then the model repacks them for the device
+(`process_weights_after_loading`: oneDNN's layout on CPU). The config itself was read through
 transformers' AutoConfig by `ringserve.config.ModelConfig`.
 """
 
@@ -68,4 +69,5 @@ def load_model(
     with torch.device(device):
         model = cls.from_config(config, tp, backend)
     model.load_weights(iterate_weights(Path(config.model)))
+    model.process_weights_after_loading()
     return model.eval()

@@ -83,15 +83,20 @@ class RotaryEmbedding(nn.Module):
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Rotate `q` [T, Hq, D] and `k` [T, Hk, D] by their token `positions` [T]."""
+        return self.rotate(positions, q), self.rotate(positions, k)
+
+    def rotate(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """Rotate `x` [T, H, D] by its token `positions` [T] (queries and keys stacked on H
+        rotate in one pass: the same arithmetic, half the calls)."""
         # Every layer rotates by the same step's positions: gather the table once per step.
         cached = self._last
-        if cached is not None and cached[0] is positions and cached[1].dtype == q.dtype:
+        if cached is not None and cached[0] is positions and cached[1].dtype == x.dtype:
             table = cached[1]
         else:
-            table = self.cos_sin[:, positions].to(q.dtype).unsqueeze(2)
+            table = self.cos_sin[:, positions].to(x.dtype).unsqueeze(2)
             self._last = (positions, table)
         cos, sin = table[0], table[1]
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+        return x * cos + _rotate_half(x) * sin
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:

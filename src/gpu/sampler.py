@@ -4,7 +4,9 @@ Pipeline, as in vLLM V1: float32 logits -> NaN check (a row with a NaN fails its
 alone) -> raw logprobs when any row wants them -> allowed ids / banned ids / logit bias /
 penalties (`ringserve.gpu.logits_processors`) -> greedy argmax, and, unless the whole batch is
 greedy, temperature, min-p, top-k/top-p and the seeded random draw
-(`ringserve.gpu.sampling_ops`). The model runner calls `Sampler.forward` once per step.
+(`ringserve.gpu.sampling_ops`). A greedy batch with no logprobs and no logit edits (the common
+offline case) takes one `max` pass instead: NaN check and argmax together. The model runner
+calls `Sampler.forward` once per step.
 """
 
 from __future__ import annotations
@@ -43,6 +45,9 @@ class Sampler:
     def forward(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
         """Sample one token per row of `logits` [n, V]."""
         logits = logits.to(torch.float32)
+        plain = meta.max_num_logprobs is None and meta.sparse is None and meta.penalties is None
+        if meta.all_greedy and plain:
+            return _plain_greedy(logits)
         nan = torch.isnan(logits).any(dim=-1)
         nan_rows = nan.cpu().numpy()
         if nan_rows.any():
@@ -56,3 +61,16 @@ class Sampler:
         return SamplerOutput(
             token_ids=token_ids.cpu().numpy(), logprobs=logprobs, nan_rows=nan_rows
         )
+
+
+def _plain_greedy(logits: torch.Tensor) -> SamplerOutput:
+    """Greedy rows with nothing to edit and no logprobs: one pass over the logits.
+
+    `max` propagates NaN, so a row holding one has a NaN maximum; its id is meaningless, as
+    on the general path. Ties go to the first index, as with `argmax`.
+    """
+    values, token_ids = logits.max(dim=-1)
+    return SamplerOutput(
+        token_ids=token_ids.cpu().numpy(), logprobs=None,
+        nan_rows=torch.isnan(values).cpu().numpy(),
+    )

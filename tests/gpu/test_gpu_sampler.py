@@ -150,3 +150,16 @@ def test_nan_row_is_flagged_alone() -> None:
     out = _run([SamplingParams(temperature=0.0)] * 3, logits)
     assert out.nan_rows.tolist() == [False, True, False]
     assert out.token_ids[[0, 2]].tolist() == logits[[0, 2]].argmax(-1).tolist()
+
+
+def test_plain_greedy_path_matches_the_general_path_and_breaks_ties_to_the_first_id() -> None:
+    logits = _logits(5, seed=7)
+    logits[2, [3, 9, 20]] = 100.0  # a three-way tie: the first id wins, as with argmax
+    logits[4, 6] = float("nan")
+    plain = _run([SamplingParams(temperature=0.0)] * 5, logits)
+    # logprobs=0 takes the general path (NaN check, processors, argmax) on the same rows
+    general = _run([SamplingParams(temperature=0.0, logprobs=0)] * 5, logits)
+    assert plain.logprobs is None and general.logprobs is not None
+    assert plain.nan_rows.tolist() == general.nan_rows.tolist() == [False] * 4 + [True]
+    assert plain.token_ids[:4].tolist() == general.token_ids[:4].tolist()
+    assert plain.token_ids[2] == 3

@@ -36,9 +36,16 @@ class AttentionBackend(Protocol):
 
 
 class TorchAttentionBackend:
-    """The torch reference path (`ringserve.gpu.attention.torch_ref`)."""
+    """The torch reference path (`ringserve.gpu.attention.torch_ref`).
+
+    One instance serves every layer of a model, so it keeps the gather plan of the step's
+    metadata (`torch_ref.plan_attention`): the first layer builds it, the others reuse it.
+    """
 
     name = "torch"
+
+    def __init__(self) -> None:
+        self._plan: tuple[AttentionMetadata, torch.Size, torch_ref.AttentionPlan] | None = None
 
     def write_kv(
         self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
@@ -50,7 +57,17 @@ class TorchAttentionBackend:
         self, query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float
     ) -> torch.Tensor:
         """See `AttentionBackend.attend`."""
-        return torch_ref.paged_attention(query, kv_cache, meta, scale)
+        return torch_ref.paged_attention(query, kv_cache, meta, scale, self._plan_for(meta, kv_cache))
+
+    def _plan_for(self, meta: AttentionMetadata, kv_cache: torch.Tensor) -> torch_ref.AttentionPlan:
+        cached = self._plan
+        # Keyed by identity: the metadata is immutable and built afresh every step; holding it
+        # keeps its id from being reused while the plan is cached.
+        if cached is not None and cached[0] is meta and cached[1] == kv_cache.shape:
+            return cached[2]
+        plan = torch_ref.plan_attention(meta, kv_cache)
+        self._plan = (meta, kv_cache.shape, plan)
+        return plan
 
 
 class TritonAttentionBackend:

@@ -7,18 +7,76 @@ flat slot `block_id * block_size + offset` of the `[num_blocks * block_size, hea
 
 `write_kv` scatters the step's new keys/values into their slots; `paged_attention` computes
 causal attention of the new queries over each request's whole cached sequence with
-`scaled_dot_product_attention` (GQA without copying the KV heads). Single-token queries (decodes)
-are batched into one padded call with a length mask, since a Python-level call per request
-dominated decode steps (~0.3 ms each on CPU); multi-token queries (prefill chunks) go request by
-request.
+`scaled_dot_product_attention` (GQA without copying the KV heads).
+
+Single-token queries (decodes) are batched: a Python-level call per request dominated decode
+steps (~0.3 ms each on CPU). Every layer of a step reads the same block tables, so the gather
+indices are worked out once per step (`plan_attention`, cached by the torch backend) and each
+layer then pays one `index_select` (keys and values together, from the flat `[2 * slots,
+heads * dim]` view) and one SDPA call per group. Groups are runs of decodes sorted by length,
+padded to the group's longest sequence with a length mask, and capped so that one group's
+gathered keys and values stay cache-sized: on CPU the gather and SDPA are memory-bound, and a
+32-request gather (16 MB at 500 tokens each) spilled out of cache and cost ~1.5x more than the
+same work in groups of ~4 MB (measured, 1 and 2 threads). Multi-token queries (prefill chunks)
+go request by request.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass, replace
+
+import numpy as np
 import torch
 import torch.nn.functional as F
 
 from ringserve.gpu.attention.metadata import AttentionMetadata
+
+# A padded decode call costs about this many key positions (summed over its rows) of work in
+# fixed overhead (its index_select, SDPA and copy-back calls); a group is split where the
+# padding it would add is worth more than one more call. This and the byte cap below came from
+# a sweep over the benchmark workload's replayed decode steps (256 vs 1024 keys, 1 to 8 MB and
+# no cap): 256 keys and 4 MB were best or within noise of it, at 1 and 2 threads.
+_CALL_COST_KEYS = 256
+
+# Most bytes of keys plus values one decode group gathers (see the module docstring).
+_GROUP_BYTES = 4 << 20
+
+
+@dataclass(frozen=True)
+class DecodeGroup:
+    """One padded SDPA call over single-token queries of similar sequence length.
+
+    Attributes:
+        token_rows: int64 [G]: the query rows of the group's requests.
+        kv_rows: int64 [2 * G * length]: rows of the flat `[2 * slots, heads * dim]` cache
+            view to gather: keys of each request in sequence order, then values; padding
+            positions read slot 0 and are masked.
+        mask: bool [G, 1, 1, length]: the real key positions; None when every sequence of
+            the group is `length` long.
+        length: the group's longest sequence.
+        whole_batch: the group holds every query row of the step, in order (the output is
+            the SDPA result itself, no scatter).
+    """
+
+    token_rows: torch.Tensor
+    kv_rows: torch.Tensor
+    mask: torch.Tensor | None
+    length: int
+    whole_batch: bool
+
+
+@dataclass(frozen=True)
+class AttentionPlan:
+    """One step's gather plan, shared by every layer (same block tables, same lengths).
+
+    Attributes:
+        groups: the batched decode calls.
+        requests: (request index, its block ids as int64) for requests attended one by one
+            (multi-token queries).
+    """
+
+    groups: list[DecodeGroup]
+    requests: list[tuple[int, torch.Tensor]]
 
 
 def write_kv(
@@ -30,30 +88,66 @@ def write_kv(
     kv_cache[1].view(-1, heads, dim).index_copy_(0, slot_mapping, value.to(kv_cache.dtype))
 
 
+def plan_attention(meta: AttentionMetadata, kv_cache: torch.Tensor) -> AttentionPlan:
+    """The gather plan of `meta` for caches shaped like `kv_cache` (any layer of the step).
+
+    Built with numpy on host copies (a torch op costs a few microseconds of dispatch each,
+    several times a numpy op on arrays this small).
+    """
+    _, num_blocks, block_size, heads, dim = kv_cache.shape
+    device = kv_cache.device
+    qsl = np.asarray(meta.query_start_loc_cpu, dtype=np.int64)
+    lens = np.asarray(meta.seq_lens_cpu, dtype=np.int64)
+    query_lens = np.diff(qsl)
+    table = meta.block_table.cpu().numpy()
+    requests = [
+        (i, _tensor(table[i, : -(-int(lens[i]) // block_size)].astype(np.int64), device))
+        for i in np.flatnonzero(query_lens > 1).tolist()
+    ]
+    decodes = np.flatnonzero(query_lens == 1).tolist()
+    row_bytes = 2 * heads * dim * kv_cache.element_size()  # one position's key and value
+    groups = _length_groups(decodes, meta.seq_lens_cpu, max(1, _GROUP_BYTES // row_bytes))
+    whole = len(decodes) == int(qsl[-1])  # every query row is a decode
+    plans = [
+        _decode_group(table, qsl, lens, rows, block_size, num_blocks * block_size, device)
+        for rows in groups
+    ]
+    if whole and len(plans) == 1:
+        plans[0] = replace(plans[0], whole_batch=True)
+    return AttentionPlan(groups=plans, requests=requests)
+
+
 def paged_attention(
-    query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    plan: AttentionPlan | None = None,
 ) -> torch.Tensor:
     """Attention of the new queries [T, Hq, D] over each request's cached sequence.
 
     The cache must already hold this step's keys/values (`write_kv` first).
 
+    Args:
+        query: [T, Hq, D].
+        kv_cache: this layer's cache.
+        meta: the step's attention metadata.
+        scale: the softmax scale.
+        plan: `plan_attention(meta, kv_cache)`, when the caller keeps it across layers.
+
     Returns:
         [T, Hq, D] in the query's dtype.
     """
+    if plan is None:
+        plan = plan_attention(meta, kv_cache)
+    if len(plan.groups) == 1 and plan.groups[0].whole_batch:
+        return _batched_decode(query, kv_cache, scale, plan.groups[0])
     out = torch.empty_like(query)
-    block_size = kv_cache.shape[2]
+    for group in plan.groups:
+        out.index_copy_(0, group.token_rows, _batched_decode(query, kv_cache, scale, group))
     qsl, lens = meta.query_start_loc_cpu, meta.seq_lens_cpu
-    decodes = [i for i in range(len(lens)) if qsl[i + 1] - qsl[i] == 1]
-    if len(decodes) > 1:
-        for group in _length_groups(decodes, lens):
-            _batched_decode(query, kv_cache, meta, scale, group, out)
-    done = set(decodes) if len(decodes) > 1 else set()
-    for i, seq_len in enumerate(lens):
-        start, end = qsl[i], qsl[i + 1]
-        if start == end or i in done:
-            continue
-        num_blocks = -(-seq_len // block_size)
-        blocks = meta.block_table[i, :num_blocks].long()
+    for i, blocks in plan.requests:
+        seq_len, start, end = lens[i], qsl[i], qsl[i + 1]
         k = kv_cache[0].index_select(0, blocks).flatten(0, 1)[:seq_len].transpose(0, 1)
         v = kv_cache[1].index_select(0, blocks).flatten(0, 1)[:seq_len].transpose(0, 1)
         q = query[start:end].transpose(0, 1)
@@ -61,13 +155,13 @@ def paged_attention(
     return out
 
 
-# A padded decode call costs about this many key positions of work in fixed overhead; a group
-# is split when the padding it would save is worth more than one more call.
-_CALL_COST_KEYS = 2048
+def _length_groups(
+    rows: list[int], lens: list[int], max_keys: int = 1 << 62
+) -> list[list[int]]:
+    """Split decode rows into groups of similar sequence length (less padding per call).
 
-
-def _length_groups(rows: list[int], lens: list[int]) -> list[list[int]]:
-    """Split decode rows into groups of similar sequence length (less padding per call)."""
+    A group also closes once its padded keys (rows x longest length) would pass `max_keys`.
+    """
     order = sorted(rows, key=lambda i: lens[i])
     groups: list[list[int]] = [[]]
     for i in order:
@@ -75,39 +169,59 @@ def _length_groups(rows: list[int], lens: list[int]) -> list[list[int]]:
         if group:
             # Work if i joins (everyone padded to lens[i]) vs. starting a new group.
             waste = (lens[i] - lens[group[-1]]) * len(group)
-            if waste > _CALL_COST_KEYS:
+            if waste > _CALL_COST_KEYS or lens[i] * (len(group) + 1) > max_keys:
                 groups.append([i])
                 continue
         group.append(i)
-    return groups
+    return [g for g in groups if g]
+
+
+def _decode_group(
+    table: np.ndarray, qsl: np.ndarray, lens: np.ndarray, rows: list[int], block_size: int,
+    num_slots: int, device: torch.device,
+) -> DecodeGroup:
+    index = np.array(sorted(rows))  # query order: a group of the whole batch needs no scatter
+    group_lens = lens[index]
+    length = int(group_lens.max())
+    positions = np.arange(length)
+    slots = table[index[:, None], positions // block_size].astype(np.int64) * block_size
+    slots += positions % block_size
+    valid = positions < group_lens[:, None]  # [G, length]
+    # Padding reads slot 0: block table entries past a request's end may be stale.
+    slots[~valid] = 0
+    flat = slots.ravel()
+    mask = None
+    if int(group_lens.min()) < length:
+        mask = _tensor(valid, device)[:, None, None, :]
+    return DecodeGroup(
+        token_rows=_tensor(qsl[index], device),
+        kv_rows=_tensor(np.concatenate((flat, flat + num_slots)), device),
+        mask=mask,
+        length=length,
+        whole_batch=False,
+    )
+
+
+def _tensor(array: np.ndarray, device: torch.device) -> torch.Tensor:
+    tensor = torch.from_numpy(array)
+    return tensor if device.type == "cpu" else tensor.to(device)
 
 
 def _batched_decode(
-    query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
-    rows: list[int], out: torch.Tensor,
-) -> None:
-    """One SDPA call for every single-token query: keys padded to the longest, masked."""
-    block_size = kv_cache.shape[2]
-    lens = [meta.seq_lens_cpu[i] for i in rows]
-    max_len = max(lens)
-    num_blocks = -(-max_len // block_size)
-    idx = torch.tensor(rows, dtype=torch.long, device=query.device)
-    blocks = meta.block_table[idx, :num_blocks].reshape(-1).long()  # [B * nb]
+    query: torch.Tensor, kv_cache: torch.Tensor, scale: float, group: DecodeGroup
+) -> torch.Tensor:
+    """One SDPA call for a group of single-token queries; returns [G, Hq, D]."""
     heads, dim = kv_cache.shape[-2], kv_cache.shape[-1]
-    shape = (len(rows), num_blocks * block_size, heads, dim)
-    # index_select on the block axis is ~2x faster than advanced indexing here (measured).
-    k = kv_cache[0].index_select(0, blocks).view(shape).transpose(1, 2)
-    v = kv_cache[1].index_select(0, blocks).view(shape).transpose(1, 2)
-    seq_lens = torch.tensor(lens, device=query.device)
-    positions = torch.arange(num_blocks * block_size, device=query.device)
-    mask = (positions[None, :] < seq_lens[:, None])[:, None, None, :]  # [B, 1, 1, L]
-    token_rows = torch.tensor([meta.query_start_loc_cpu[i] for i in rows], dtype=torch.long,
-                              device=query.device)
-    q = query[token_rows].unsqueeze(2)  # [B, Hq, 1, D]
+    num = group.token_rows.shape[0]
+    kv = kv_cache.view(-1, heads * dim).index_select(0, group.kv_rows)
+    kv = kv.view(2, num, group.length, heads, dim).transpose(2, 3)  # [2, G, Hkv, L, D]
+    q = query if group.whole_batch else query.index_select(0, group.token_rows)
+    if kv.dtype != q.dtype:
+        kv = kv.to(q.dtype)
     attn = F.scaled_dot_product_attention(
-        q, k.to(q.dtype), v.to(q.dtype), attn_mask=mask, scale=scale, enable_gqa=True
+        q.unsqueeze(2), kv[0], kv[1], attn_mask=group.mask, scale=scale, enable_gqa=True
     )
-    out[token_rows] = attn.squeeze(2)
+    return attn.squeeze(2)
 
 
 def _attend(

@@ -79,12 +79,16 @@ class LlamaAttention(nn.Module):
         t, d = hidden.shape[0], self.head_dim
         q_size, kv_size = self.num_heads * d, self.num_kv_heads * d
         qkv = self.qkv_proj.forward(hidden)
-        q = qkv[:, :q_size].reshape(t, self.num_heads, d)
-        k = qkv[:, q_size : q_size + kv_size].reshape(t, self.num_kv_heads, d)
         v = qkv[:, q_size + kv_size :].reshape(t, self.num_kv_heads, d)
         if self.q_norm is not None and self.k_norm is not None:
-            q, k = self.q_norm.forward(q), self.k_norm.forward(k)
-        q, k = self.rotary[0].forward(positions, q, k)
+            q = self.q_norm.forward(qkv[:, :q_size].reshape(t, self.num_heads, d))
+            k = self.k_norm.forward(qkv[:, q_size : q_size + kv_size].reshape(t, self.num_kv_heads, d))
+            q, k = self.rotary[0].forward(positions, q, k)
+        else:
+            qk = self.rotary[0].rotate(
+                positions, qkv[:, : q_size + kv_size].reshape(t, self.num_heads + self.num_kv_heads, d)
+            )
+            q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
         self.backend.write_kv(k, v, kv_cache, meta.slot_mapping)
         out = self.backend.attend(q, kv_cache, meta, self.scale)
         return self.o_proj.forward(out.reshape(t, q_size))
@@ -206,6 +210,14 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits [N, vocab] for hidden states [N, hidden]."""
         return self.lm_head.compute_logits(hidden)
+
+    def process_weights_after_loading(self) -> None:
+        """Repack the loaded weights for the device's fastest GEMM (oneDNN on CPU; see
+        `ringserve.gpu.linear`). The loader calls this once, after `load_weights`."""
+        for module in self.modules():
+            if isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
+                module.process_weights_after_loading()
+        self.lm_head.process_weights_after_loading(keep_weight=self.spec.tie_word_embeddings)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load checkpoint tensors one at a time, sharded for this rank.
