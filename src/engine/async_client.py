@@ -1,4 +1,5 @@
-"""Async (trio) clients of engine-core processes: `AsyncMPClient` and `DPLBAsyncMPClient`.
+"""The async (trio) client of engine-core processes: `AsyncMPClient` (`dp_client.py` adds
+data-parallel routing).
 
 Used by `AsyncLLM`. The client binds a ROUTER for requests (routing ids `core<i>`) and a PULL
 for outputs, launches `data_parallel_size` core processes (`mp_client.CoreProcess`) and waits
@@ -8,11 +9,6 @@ socket's FD is edge-triggered, so a task retries its non-blocking call and, on E
 read by one task only (a frame that does not decode as `EngineCoreOutputs` is logged and
 dropped); sends (from any task) are single non-blocking calls serialized by a lock
 when they must wait. A core's death is seen at once through a pidfd.
-
-`DPLBAsyncMPClient` spreads requests over N cores: each new request goes to the core with the
-lowest `4 * waiting + running`, from the scheduler stats each core publishes with its outputs
-plus the requests sent to it since (a core recovering from a fault gets none while another is
-healthy); aborts go to the owning core, utility calls to all.
 
 Each core's fault-tolerance state (`fault_tolerance.EngineFaultState`) follows the
 `FaultStatus` messages it publishes: an UNHEALTHY core is not dead (the client stays up and
@@ -480,48 +476,3 @@ def _remove_dead_segments() -> None:
     removed = cleanup_stale()
     if removed:
         logger.info("removed %d shared-memory segment(s) of dead processes", len(removed))
-
-
-class DPLBAsyncMPClient(AsyncMPClient):
-    """`AsyncMPClient` over `data_parallel_size` cores with least-loaded routing."""
-
-    def __init__(self, config: EngineConfig, executor: str = "default") -> None:
-        super().__init__(config, executor)
-        # Per core: [waiting, running] from its last published stats.
-        self._stats = [[0, 0] for _ in range(self.num_engines)]
-        # Requests sent to each core since its last stats (counted as waiting).
-        self._sent_since_stats = [0] * self.num_engines
-        self._owner: dict[str, int] = {}
-
-    def choose_engine(self, request: EngineCoreRequest) -> int:
-        if request.data_parallel_rank is not None:
-            engine = request.data_parallel_rank
-            if not 0 <= engine < self.num_engines:
-                raise ValueError(f"data_parallel_rank: got {engine}, allowed: "
-                                 f"0..{self.num_engines - 1}")
-        else:
-            engine = min(range(self.num_engines), key=self._load)
-        self._owner[request.request_id] = engine
-        self._sent_since_stats[engine] += 1
-        return engine
-
-    def _load(self, engine: int) -> tuple[bool, int]:
-        waiting, running = self._stats[engine]
-        # A recovering core refuses requests: route around it while another is healthy.
-        recovering = not self.fault_states[engine].healthy
-        return recovering, 4 * (waiting + self._sent_since_stats[engine]) + running
-
-    def engine_of(self, request_id: str) -> int | None:
-        return self._owner.get(request_id)
-
-    def request_finished(self, request_id: str) -> None:
-        self._owner.pop(request_id, None)
-
-    def record_stats(self, outputs: EngineCoreOutputs) -> None:
-        stats = outputs.scheduler_stats
-        if stats is not None and 0 <= outputs.engine_index < self.num_engines:
-            self._stats[outputs.engine_index] = [stats.num_waiting_reqs, stats.num_running_reqs]
-            self._sent_since_stats[outputs.engine_index] = 0
-        if outputs.finished_requests:
-            for rid in outputs.finished_requests:
-                self._owner.pop(rid, None)

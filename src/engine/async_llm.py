@@ -34,8 +34,9 @@ import trio
 from ringserve import envs
 from ringserve.config import EngineConfig
 from ringserve.engine.arg_utils import EngineArgs
-from ringserve.engine.async_client import AsyncMPClient, DPLBAsyncMPClient
+from ringserve.engine.async_client import AsyncMPClient
 from ringserve.engine.collector import RequestOutputCollector
+from ringserve.engine.dp_client import DPLBAsyncMPClient
 from ringserve.engine.errors import (
     RECOVERING_MESSAGE,
     EngineDeadError,

@@ -33,8 +33,8 @@ import zmq
 
 from ringserve.config import EngineConfig
 from ringserve.gpu.executor.inbound import DECODE_ERRORS, DropLog, RequestDecoder
-from ringserve.gpu.executor.wire import FrameKind, RpcRequest
-from ringserve.gpu.executor.worker_calls import rpc_reply, step_reply
+from ringserve.gpu.executor.wire import FrameKind
+from ringserve.gpu.executor.worker_calls import reply_to
 from ringserve.serial import Buffer, MsgpackEncoder
 
 HELLO = b"hello"
@@ -111,19 +111,9 @@ class StepLoop:
             except DECODE_ERRORS as exc:
                 self.drops.drop(exc)
                 continue
-            if isinstance(message, RpcRequest):
-                self._rpc(message)
-            else:
-                self._step(message)
-
-    def _step(self, so: Any) -> None:
-        reply = step_reply(self.worker, self.rank, so, self._encoder)
-        if reply is not None:
-            send_message(self.outbox, reply[0], reply[1])
-
-    def _rpc(self, request: RpcRequest) -> None:
-        send_message(self.outbox, FrameKind.RPC_REPLY,
-                rpc_reply(self.worker, self.rank, request, self._encoder))
+            reply = reply_to(self.worker, self.rank, message, self._encoder)
+            if reply is not None:
+                send_message(self.outbox, *reply)
 
 
 class RayWorker:

@@ -44,3 +44,12 @@ def rpc_reply(worker: Any, rank: int, request: RpcRequest, encoder: MsgpackEncod
         reply.value = None
         reply.error = describe(exc)
         return encoder.encode(reply)
+
+
+def reply_to(worker: Any, rank: int, message: Any,
+             encoder: MsgpackEncoder) -> tuple[FrameKind, list[Buffer]] | None:
+    """Serve one decoded request (an `RpcRequest`, else a SchedulerOutput); the frame to send
+    back, if any."""
+    if isinstance(message, RpcRequest):
+        return FrameKind.RPC_REPLY, rpc_reply(worker, rank, message, encoder)
+    return step_reply(worker, rank, message, encoder)

@@ -33,12 +33,11 @@ import msgspec
 from ringserve.gpu.executor.inbound import DECODE_ERRORS, DropLog, RequestDecoder, kind_name
 from ringserve.gpu.executor.wire import (
     FrameKind,
-    RpcRequest,
     WorkerSpec,
     read_buffers,
     write_message,
 )
-from ringserve.gpu.executor.worker_calls import rpc_reply, step_reply
+from ringserve.gpu.executor.worker_calls import reply_to
 from ringserve.lifeline import install_lifeline
 from ringserve.serial import MsgpackEncoder
 from ringserve.shm import CorruptFrameError, PeerDiedError, RingClosedError, RingReader, RingWriter
@@ -93,19 +92,9 @@ class WorkerLoop:
             finally:
                 # Released before the work starts, so the executor can queue the next step.
                 sched.release()
-            if isinstance(message, RpcRequest):
-                self._rpc(message)
-            else:
-                self._step(message)
-
-    def _step(self, so: Any) -> None:
-        reply = step_reply(self.worker, self.rank, so, self._encoder)
-        if reply is not None:
-            write_message(self.out, reply[0], reply[1])
-
-    def _rpc(self, request: RpcRequest) -> None:
-        write_message(self.out, FrameKind.RPC_REPLY,
-                rpc_reply(self.worker, self.rank, request, self._encoder))
+            reply = reply_to(self.worker, self.rank, message, self._encoder)
+            if reply is not None:
+                write_message(self.out, *reply)
 
 
 def _limit_cpu_threads(spec: WorkerSpec) -> None:
