@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from ringserve.sampling_params import SamplingParams
@@ -32,9 +33,16 @@ def _rank_main(rank: int, model_dir: str, port: int, out_path: str) -> None:
 
     torch.set_num_threads(1)
     tp = init_tp_group(rank, 2, backend="gloo", init_method=f"tcp://127.0.0.1:{port}")
-    tokens = _greedy(model_dir, tp)
-    if rank == 0:
-        Path(out_path).write_text(json.dumps(tokens))
+    try:
+        tokens = _greedy(model_dir, tp)
+        if rank == 0:
+            Path(out_path).write_text(json.dumps(tokens))
+    finally:
+        # Left to interpreter teardown, gloo's threads can outlive the group and abort the
+        # process ("terminate called without an active exception"); the workers themselves
+        # leave with os._exit, this test's ranks return normally.
+        dist.barrier()
+        dist.destroy_process_group()
 
 
 def _free_port() -> int:

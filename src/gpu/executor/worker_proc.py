@@ -26,6 +26,7 @@ from __future__ import annotations
 import os
 import signal
 import sys
+import traceback
 from typing import Any
 
 import msgspec
@@ -145,9 +146,15 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    status = main()
+    try:
+        status = main()
+    except BaseException:  # reported here; the exit status says it
+        traceback.print_exc()
+        status = 1
     # The rings are closed and nothing else needs finalising: skip torch's slow teardown
-    # (hundreds of milliseconds, more with a process group) so shutdown() is quick.
+    # (hundreds of milliseconds, more with a process group, and gloo's threads can abort it:
+    # "terminate called without an active exception") so shutdown() is quick and the exit
+    # status is the outcome.
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(status)
