@@ -5,6 +5,8 @@
 | RINGSERVE_HOME | ~/.cache/ringserve | cache root (tiny and demo models) |
 | RINGSERVE_ENABLE_MULTIPROCESSING | 1 | `LLM`/`LLMEngine` run the engine core in its own process |
 | RINGSERVE_ENGINE_READY_TIMEOUT_S | 600 | seconds a frontend waits for a core's start-up handshake |
+| RINGSERVE_CORE_RESTART_LIMIT | 3 | restarts of one engine core allowed within the window below |
+| RINGSERVE_CORE_RESTART_WINDOW_S | 600 | the window of that limit, in seconds |
 | RINGSERVE_OUTPUT_PROC_CHUNK_SIZE | 128 | outputs the async output handler processes between yields |
 | RINGSERVE_EXECUTOR_RING_BYTES | 16777216 | data bytes of each mp-executor ring (a power of two) |
 | RINGSERVE_RAY_TMPDIR | (a fresh temp dir) | Ray's temp dir when the ray executor starts Ray itself |
@@ -54,6 +56,21 @@ def enable_multiprocessing() -> bool:
 def engine_ready_timeout_s() -> float:
     """RINGSERVE_ENGINE_READY_TIMEOUT_S (default 600)."""
     return _number("RINGSERVE_ENGINE_READY_TIMEOUT_S", 600.0, minimum=1.0)
+
+
+def core_restart_limit() -> int:
+    """RINGSERVE_CORE_RESTART_LIMIT (default 3): restarts of one core within the window.
+
+    With fault tolerance on, a core process that dies is restarted; one that has already been
+    restarted this many times within `core_restart_window_s()` is crash-looping, and its next
+    death ends the engine (the server exits 1, for its supervisor to act on). 0: never restart.
+    """
+    return int(_number("RINGSERVE_CORE_RESTART_LIMIT", 3, minimum=0))
+
+
+def core_restart_window_s() -> float:
+    """RINGSERVE_CORE_RESTART_WINDOW_S (default 600): the window of the core restart limit."""
+    return _number("RINGSERVE_CORE_RESTART_WINDOW_S", 600.0, minimum=1.0)
 
 
 def output_proc_chunk_size() -> int:

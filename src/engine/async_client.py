@@ -16,12 +16,14 @@ new requests fail fast with `EngineRecoveringError`); a DEAD one makes the whole
 A core process that exits is restarted when fault tolerance is on (`watch_cores`): its
 requests fail at once, it is UNHEALTHY until the new process's handshake arrives on the
 output socket (told apart from outputs by its tag), and the new process takes over the old
-one's routing id (ROUTER_HANDOVER). With fault tolerance off, or when the restart fails, the
-client is dead.
+one's routing id (ROUTER_HANDOVER). With fault tolerance off, when the restart fails, or when
+the core is crash-looping (restarted `RINGSERVE_CORE_RESTART_LIMIT` times within
+`RINGSERVE_CORE_RESTART_WINDOW_S` already), the client is dead.
 """
 
 from __future__ import annotations
 
+import collections
 import itertools
 import logging
 import os
@@ -112,6 +114,9 @@ class AsyncMPClient:
         self.restarting: set[int] = set()
         self._handshakes: dict[int, tuple[trio.Event, list[HandshakeReply]]] = {}
         self.restarts = [0] * self.num_engines
+        # When each core was last restarted (monotonic seconds), within the restart window.
+        self._restart_times: list[collections.deque[float]] = [
+            collections.deque() for _ in range(self.num_engines)]
         self.num_blocks = 0
         self.max_model_len = config.model_config.max_model_len
 
@@ -349,7 +354,9 @@ class AsyncMPClient:
         within the recovery timeout), the core is restarted: it is marked UNHEALTHY,
         `on_core_death(index, reason)` fails its requests, its pending utility calls fail, a
         new process starts on the same sockets and, after its handshake, the core is HEALTHY
-        again. Otherwise, or when the restart fails, the engine is dead.
+        again. Otherwise, when the restart fails, or when the core already used up its
+        restarts (`envs.core_restart_limit` within `envs.core_restart_window_s`), the engine
+        is dead.
 
         Args:
             on_core_death: called at once with the core's index and what happened to it.
@@ -378,19 +385,37 @@ class AsyncMPClient:
             reason = f"engine core {index} {proc.describe_exit()}"
             _remove_dead_segments()
             if self.dead is None and self._restarts_cores and not self._declared_dead(index):
-                logger.error("%s: restarting it", reason)
-                fault = f"{reason}; it is being restarted"
-                self._core_lost(index, fault)
-                on_core_death(index, fault)
-                failure = await self._restart_core(index)
-                _remove_dead_segments()  # the old core's workers have exited by now
-                if failure is None:
-                    continue
-                reason = f"{reason}; its restart failed: {failure}"
+                crash_loop = self._restart_budget_spent(index)
+                if crash_loop is None:
+                    logger.error("%s: restarting it", reason)
+                    fault = f"{reason}; it is being restarted"
+                    self._core_lost(index, fault)
+                    on_core_death(index, fault)
+                    failure = await self._restart_core(index)
+                    _remove_dead_segments()  # the old core's workers have exited by now
+                    if failure is None:
+                        continue
+                    reason = f"{reason}; its restart failed: {failure}"
+                else:
+                    reason = f"{reason}; not restarted: {crash_loop}"
             self.mark_dead(reason)
             on_core_death(index, reason)
             scope.cancel()
             return
+
+    def _restart_budget_spent(self, index: int) -> str | None:
+        """Why core `index` must not be restarted again (crash-looping), else None; a None
+        counts this restart against the budget."""
+        limit, window = envs.core_restart_limit(), envs.core_restart_window_s()
+        now = time.monotonic()
+        times = self._restart_times[index]
+        while times and now - times[0] > window:
+            times.popleft()
+        if len(times) >= limit:
+            return (f"it was restarted {len(times)} time(s) within {window:g} s already "
+                    "(RINGSERVE_CORE_RESTART_LIMIT, RINGSERVE_CORE_RESTART_WINDOW_S)")
+        times.append(now)
+        return None
 
     def _declared_dead(self, index: int) -> bool:
         return self.fault_states[index].status == str(EngineStatus.DEAD)

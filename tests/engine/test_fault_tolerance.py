@@ -179,6 +179,28 @@ async def test_killed_core_is_restarted(tiny_llama_dir: Path) -> None:
 
 
 @pytest.mark.slow
+async def test_crash_looping_core_ends_the_engine(tiny_llama_dir: Path,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """A core that already used up its restarts within the window is not restarted again:
+    the engine is dead, and the reason says why."""
+    monkeypatch.setenv("RINGSERVE_CORE_RESTART_LIMIT", "1")
+    async with ft_engine(tiny_llama_dir) as llm:
+        assert llm.client is not None
+        os.kill(llm.client.processes[0].pid, signal.SIGKILL)
+        await wait_status(llm, "healthy", timeout=60)
+        with trio.fail_after(60):
+            while llm.client.restarts != [1]:
+                await trio.sleep(0.05)
+        os.kill(llm.client.processes[0].pid, signal.SIGKILL)
+        with trio.fail_after(10):
+            while not llm.errored:
+                await trio.sleep(0.02)
+        assert llm.client.restarts == [1]
+        with pytest.raises(EngineDeadError, match="not restarted: it was restarted 1 time"):
+            await greedy_tokens(llm)
+
+
+@pytest.mark.slow
 async def test_killed_core_without_fault_tolerance_ends_the_engine(
         tiny_llama_dir: Path) -> None:
     async with ft_engine(tiny_llama_dir, enable_fault_tolerance=False) as llm:
