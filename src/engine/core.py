@@ -18,6 +18,7 @@ from typing import Any, Literal
 
 import msgspec
 
+from ringserve import envs
 from ringserve.config import EngineConfig
 from ringserve.engine.flops import ModelFlops
 from ringserve.engine.scheduler import Scheduler
@@ -29,6 +30,7 @@ from ringserve.engine.wire import (
     SchedulerStats,
 )
 from ringserve.gpu.executor.base import Executor
+from ringserve.gpu.executor.errors import WorkerTimeoutError
 from ringserve.gpu.wire import ModelRunnerOutput, SchedulerOutput
 
 logger = logging.getLogger(__name__)
@@ -240,6 +242,23 @@ class EngineCore:
             raise TimeoutError(f"execute_model did not finish within {self.step_timeout:g} s "
                                "(--execute-model-timeout-s)") from None
 
+    def _worker_call(self, method: str, args: tuple[Any, ...], timeout: float | None) -> None:
+        """`collective_rpc` between steps; workers that do not answer within `timeout` (the
+        execute-model timeout: None waits as long as it takes) are an engine fault.
+
+        Raises:
+            WorkerTimeoutError: not every worker answered in time.
+            ExecutorError: a worker died or raised (an engine fault too).
+        """
+        try:
+            self.executor.collective_rpc(method, args, timeout=timeout)
+        except TimeoutError:
+            if timeout is None:
+                raise
+            raise WorkerTimeoutError(
+                f"{method} did not finish on every worker within {timeout:g} s "
+                "(--execute-model-timeout-s)") from None
+
     def _may_schedule(self) -> bool:
         return (self.scheduler.has_requests() and self.pause_mode not in ("keep", "abort")
                 and not self.sleep_level)
@@ -328,14 +347,18 @@ class EngineCore:
             raise ValueError(f"sleep: {busy} requests are in flight; abort them or "
                              "pause(mode='wait') until they finish")
         self.drain()
-        self.executor.collective_rpc("sleep", (level,))
+        self._worker_call("sleep", (level,), self.step_timeout)
         self.scheduler.reset_prefix_cache()  # the cached blocks' contents are gone
         self.sleep_level = max(self.sleep_level, level)
 
     def wake_up(self) -> None:
         """Undo `sleep`: weights and KV cache back; held requests are queued."""
         if self.sleep_level:
-            self.executor.collective_rpc("wake_up")
+            # Level 2 reloads the weights: allow what a start-up load is allowed.
+            timeout = self.step_timeout
+            if timeout is not None and self.sleep_level == 2:
+                timeout = max(timeout, envs.engine_ready_timeout_s())
+            self._worker_call("wake_up", (), timeout)
         self.sleep_level = 0
         self._release_held()
 

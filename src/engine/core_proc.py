@@ -54,6 +54,7 @@ from ringserve.engine.wire import (
     UtilityOutput,
 )
 from ringserve.gpu.executor.base import Executor
+from ringserve.gpu.executor.errors import ExecutorError
 from ringserve.lifeline import install_lifeline
 from ringserve.serial import MsgpackDecoder, MsgpackEncoder
 
@@ -219,13 +220,21 @@ class EngineCoreProc:
             self._call_utility(core, message)
 
     def _call_utility(self, core: EngineCore, call: UtilityCall) -> None:
+        """Run a utility call and answer it; one that broke the executor (a worker died,
+        raised or hung in a call such as `sleep`) is also an engine fault, raised after the
+        answer for the sentinel to handle."""
+        fault: ExecutorError | None = None
         try:
             result = core.call_utility(call.method, call.args)
             reply = UtilityOutput(call.call_id, result=result)
         except Exception as exc:
             reply = UtilityOutput(call.call_id, failure_message=describe(exc))
+            if isinstance(exc, ExecutorError):
+                fault = exc
         self.output_queue.put(EngineCoreOutputs(engine_index=self.engine_index,
                                                 utility_output=reply))
+        if fault is not None:
+            raise fault
 
     def fail_all(self, exc: BaseException) -> None:
         """Engine fault: end every request with ERROR and send the dead notice."""

@@ -2,7 +2,8 @@
 
 `FaultSentinel.run` is what an engine-core process (`core_proc.main`) runs. It runs
 `EngineCoreProc.run_busy_loop`; an exception out of it (a worker died, `execute_model` raised
-or exceeded `--execute-model-timeout-s`) is an engine fault. With fault tolerance on, the
+or exceeded `--execute-model-timeout-s`, a call to the workers between steps such as `sleep`
+failed or exceeded that timeout) is an engine fault. With fault tolerance on, the
 sentinel then
 
 1. ends every in-flight request with finish reason ERROR (the clients' streams end with an

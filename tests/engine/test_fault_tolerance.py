@@ -147,6 +147,33 @@ async def test_hung_worker_is_a_fault_and_the_recovery_timeout_ends_the_engine(
 
 
 @pytest.mark.slow
+async def test_worker_hung_in_sleep_is_a_fault(tiny_llama_dir: Path) -> None:
+    """A worker that does not answer `sleep` within --execute-model-timeout-s is an engine
+    fault (the core no longer waits forever): the call fails, the core is UNHEALTHY, and
+    `retry` brings it back with the same greedy tokens."""
+    async with ft_engine(tiny_llama_dir, execute_model_timeout_s=1.0) as llm:
+        before = await greedy_tokens(llm)
+        # A step may still be in flight after the last output; sleep drains it first.
+        await llm.call_utility("sleep", 1)
+        await llm.call_utility("wake_up")
+        (worker,) = worker_pids(llm)
+        os.kill(worker, signal.SIGSTOP)
+        try:
+            with trio.fail_after(15), pytest.raises(
+                    ValueError, match="WorkerTimeoutError: sleep did not finish"):
+                await llm.call_utility("sleep", 1)
+            status = await wait_status(llm, "unhealthy", timeout=10)
+            assert "WorkerTimeoutError" in (status["fault_info"] or ""), status
+            await llm.apply_fault_instruction("retry")
+            await wait_status(llm, "healthy")
+            assert (await llm.call_utility("is_sleeping")) == [0]
+            assert await greedy_tokens(llm) == before
+        finally:
+            if Path(f"/proc/{worker}").exists():
+                os.kill(worker, signal.SIGKILL)
+
+
+@pytest.mark.slow
 async def test_killed_core_is_restarted(tiny_llama_dir: Path) -> None:
     """SIGKILL of the core process: its stream fails at once, the core is UNHEALTHY (new
     requests refused as recovering) until a new process is ready, then HEALTHY again with

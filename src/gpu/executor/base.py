@@ -92,8 +92,14 @@ class Executor(ABC):
         """Start one step; steps run in submission order."""
 
     @abstractmethod
-    def collective_rpc(self, method: str, args: tuple[Any, ...] = ()) -> list[Any]:
-        """Call `method(*args)` on every worker (between steps); results in rank order."""
+    def collective_rpc(
+        self, method: str, args: tuple[Any, ...] = (), timeout: float | None = None
+    ) -> list[Any]:
+        """Call `method(*args)` on every worker (between steps); results in rank order.
+
+        Raises:
+            TimeoutError: not every worker answered within `timeout` seconds (None: no limit).
+        """
 
     @abstractmethod
     def check_health(self) -> None:

@@ -1,8 +1,9 @@
 """Errors the executors raise to the engine core: all of them are engine faults.
 
 A step or utility call that cannot complete because a worker died (`WorkerDiedError`), a worker
-raised (`WorkerError`), its answer was lost to a malformed frame (`FrameLostError`), or the
-executor was shut down under it (`ExecutorShutdownError`). The engine core maps any of them to
+raised (`WorkerError`), its answer was lost to a malformed frame (`FrameLostError`), it did not
+answer a call in time (`WorkerTimeoutError`), or the executor was shut down under it
+(`ExecutorShutdownError`). The engine core maps any of them to
 its fault handling (fail in-flight requests, report unhealthy).
 """
 
@@ -62,6 +63,10 @@ class FrameLostError(ExecutorError):
     def __init__(self, rank: int, message: str) -> None:
         self.rank = rank
         super().__init__(message)
+
+
+class WorkerTimeoutError(ExecutorError):
+    """The workers did not answer a call between steps in time (a hung worker)."""
 
 
 class ExecutorShutdownError(ExecutorError):

@@ -90,7 +90,9 @@ class NullExecutor(Executor):
         future.set_result(self.model.run_step(scheduler_output))
         return future
 
-    def collective_rpc(self, method: str, args: tuple[Any, ...] = ()) -> list[Any]:
+    def collective_rpc(
+        self, method: str, args: tuple[Any, ...] = (), timeout: float | None = None
+    ) -> list[Any]:
         if method in ("sleep", "wake_up"):  # nothing to free or restore
             return [None]
         raise ValueError(f"the null executor has no workers to call {method!r} on")

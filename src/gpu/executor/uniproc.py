@@ -27,8 +27,8 @@ class UniProcExecutor(Executor):
         self._call("init_device")
         self._call("load_model")
 
-    def _call(self, method: str, *args: Any) -> Any:
-        return self._thread.submit(getattr(self.worker, method), *args).result()
+    def _call(self, method: str, *args: Any, timeout: float | None = None) -> Any:
+        return self._thread.submit(getattr(self.worker, method), *args).result(timeout)
 
     def determine_num_blocks(self) -> int:
         return int(self._call("determine_num_blocks"))
@@ -40,8 +40,10 @@ class UniProcExecutor(Executor):
     def _submit_step(self, scheduler_output: SchedulerOutput) -> Future[ModelRunnerOutput]:
         return self._thread.submit(self.worker.execute_model, scheduler_output)
 
-    def collective_rpc(self, method: str, args: tuple[Any, ...] = ()) -> list[Any]:
-        return [self._call(method, *args)]
+    def collective_rpc(
+        self, method: str, args: tuple[Any, ...] = (), timeout: float | None = None
+    ) -> list[Any]:
+        return [self._call(method, *args, timeout=timeout)]
 
     def check_health(self) -> None:
         return None
