@@ -5,6 +5,7 @@
 | RINGSERVE_HOME | ~/.cache/ringserve | cache root (tiny and demo models) |
 | RINGSERVE_ENABLE_MULTIPROCESSING | 1 | `LLM`/`LLMEngine` run the engine core in its own process |
 | RINGSERVE_ENGINE_READY_TIMEOUT_S | 600 | seconds a frontend waits for a core's start-up handshake |
+| RINGSERVE_ATTENTION_BACKEND | auto | attention backend: auto, torch, cpu (C kernel), triton |
 | RINGSERVE_CORE_RESTART_LIMIT | 3 | restarts of one engine core allowed within the window below |
 | RINGSERVE_CORE_RESTART_WINDOW_S | 600 | the window of that limit, in seconds |
 | RINGSERVE_OUTPUT_PROC_CHUNK_SIZE | 128 | outputs the async output handler processes between yields |
@@ -56,6 +57,22 @@ def enable_multiprocessing() -> bool:
 def engine_ready_timeout_s() -> float:
     """RINGSERVE_ENGINE_READY_TIMEOUT_S (default 600)."""
     return _number("RINGSERVE_ENGINE_READY_TIMEOUT_S", 600.0, minimum=1.0)
+
+
+def attention_backend() -> str:
+    """RINGSERVE_ATTENTION_BACKEND (default "auto"), as vLLM's VLLM_ATTENTION_BACKEND.
+
+    "auto": Triton on CUDA; on CPU the C decode kernel when it builds, else the torch
+    reference. "torch", "cpu" or "triton" force one.
+
+    Raises:
+        ValueError: another value.
+    """
+    value = os.environ.get("RINGSERVE_ATTENTION_BACKEND") or "auto"
+    if value not in ("auto", "torch", "cpu", "triton"):
+        raise ValueError(f"RINGSERVE_ATTENTION_BACKEND: got {value!r}, "
+                         "allowed: auto, torch, cpu, triton")
+    return value
 
 
 def core_restart_limit() -> int:

@@ -41,7 +41,8 @@ class ModelRunner:
         config: the engine configuration.
         device: the device to run on.
         tp: this rank's tensor-parallel group.
-        attention_backend: "auto" (Triton on CUDA, torch on CPU), "torch" or "triton".
+        attention_backend: "auto" (Triton on CUDA; on CPU the C kernel, else torch), "torch",
+            "cpu" or "triton".
     """
 
     def __init__(

@@ -35,7 +35,7 @@ class Worker:
         rank: this worker's TP rank.
         local_rank: the CUDA device index on this host.
         distributed_init_method: torch.distributed init URL (needed when TP > 1).
-        attention_backend: "auto", "torch" or "triton".
+        attention_backend: "auto", "torch", "cpu" or "triton".
     """
 
     def __init__(

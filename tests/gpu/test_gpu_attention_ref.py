@@ -121,10 +121,10 @@ def test_backend_builds_one_plan_per_step_and_reuses_it_across_layers() -> None:
         got = backend.attend(query, layer_cache, meta, 0.25)
         want = _reference(query, layer_cache, tables, MIXED_LENS, qsl, 0.25)
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
-    assert backend._plan is not None
-    first = backend._plan[2]
+    assert backend.plans.entry is not None
+    first = backend.plans.entry[2]
     backend.attend(query, other_layer, meta, 0.25)
-    assert backend._plan[2] is first
+    assert backend.plans.entry[2] is first
     _, _, _, next_meta = _batch(MIXED_LENS, MIXED_NEW)  # the next step's metadata
     backend.attend(query, cache, next_meta, 0.25)
-    assert backend._plan[2] is not first
+    assert backend.plans.entry[2] is not first

@@ -1,4 +1,5 @@
-"""Token-exact parity with transformers' greedy `generate` (float32) for every tiny family:
+"""Token-exact parity with transformers' greedy `generate` (float32) for every tiny family and
+both CPU attention backends (torch reference, C kernel):
 mixed prompt lengths in one batch, chunked prefill (a 16-token budget), a prefix-cache hit
 (blocks reused from an earlier request), and logprobs against transformers' log_softmax."""
 
@@ -13,6 +14,7 @@ import torch
 from gpu_helpers import make_runner
 from runner_driver import ToyScheduler
 
+from ringserve.gpu.attention.backend import BackendName
 from ringserve.sampling_params import SamplingParams
 
 NEW_TOKENS = 8
@@ -28,7 +30,9 @@ def _hf_greedy(model: Any, prompt: list[int]) -> tuple[list[int], torch.Tensor]:
 
 
 @pytest.mark.slow
-def test_greedy_parity_with_chunked_prefill_and_prefix_hits(tiny_model_dir: Path) -> None:
+@pytest.mark.parametrize("backend", ["torch", "cpu"])
+def test_greedy_parity_with_chunked_prefill_and_prefix_hits(tiny_model_dir: Path,
+                                                            backend: BackendName) -> None:
     from transformers import AutoModelForCausalLM
 
     torch.set_num_threads(2)
@@ -38,7 +42,7 @@ def test_greedy_parity_with_chunked_prefill_and_prefix_hits(tiny_model_dir: Path
     hf = AutoModelForCausalLM.from_pretrained(str(tiny_model_dir), dtype=torch.float32).eval()
     expected = [_hf_greedy(hf, p) for p in [*prompts, shared]]
 
-    runner = make_runner(tiny_model_dir)
+    runner = make_runner(tiny_model_dir, backend=backend)
     sched = ToyScheduler(runner, budget=16)
     greedy = SamplingParams(temperature=0.0, min_tokens=NEW_TOKENS, max_tokens=NEW_TOKENS, logprobs=3)
     for i, prompt in enumerate(prompts):

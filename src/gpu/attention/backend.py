@@ -1,20 +1,25 @@
-"""Attention backends and their selection: the torch reference or the Triton kernels.
+"""Attention backends and their selection: the torch reference, the CPU kernel or Triton.
 
 The attention block of each model (`ringserve.gpu.models.llama`) holds one backend and calls
-`write_kv` then `attend` every layer. Default: Triton on CUDA, torch on CPU; the worker's
-`attention_backend` argument ("auto", "torch", "triton") overrides.
+`write_kv` then `attend` every layer. Default: Triton on CUDA; on CPU the C decode kernel
+(`cpu_native`) when it builds on this machine, else the torch reference. The worker's
+`attention_backend` argument ("auto", "torch", "cpu", "triton") overrides, and so does
+`RINGSERVE_ATTENTION_BACKEND` when that argument is "auto".
 """
 
 from __future__ import annotations
 
-from typing import Literal, Protocol
+from collections.abc import Callable
+from typing import Generic, Literal, Protocol, TypeVar, cast
 
 import torch
 
-from ringserve.gpu.attention import torch_ref
+from ringserve import envs
+from ringserve.gpu.attention import cpu_native, torch_ref
 from ringserve.gpu.attention.metadata import AttentionMetadata
 
-BackendName = Literal["auto", "torch", "triton"]
+BackendName = Literal["auto", "torch", "cpu", "triton"]
+P = TypeVar("P")
 
 
 class AttentionBackend(Protocol):
@@ -35,6 +40,30 @@ class AttentionBackend(Protocol):
         ...
 
 
+class StepPlans(Generic[P]):
+    """The current step's plan, built by the first layer and reused by the others.
+
+    Keyed by identity: the metadata is immutable and built afresh every step; holding it keeps
+    its id from being reused while the plan is cached.
+
+    Args:
+        build: makes the plan of a step's metadata for caches shaped like the given one.
+    """
+
+    def __init__(self, build: Callable[[AttentionMetadata, torch.Tensor], P]) -> None:
+        self._build = build
+        self.entry: tuple[AttentionMetadata, torch.Size, P] | None = None
+
+    def get(self, meta: AttentionMetadata, kv_cache: torch.Tensor) -> P:
+        """The plan of `meta` (built now unless this step's is cached)."""
+        entry = self.entry
+        if entry is not None and entry[0] is meta and entry[1] == kv_cache.shape:
+            return entry[2]
+        plan = self._build(meta, kv_cache)
+        self.entry = (meta, kv_cache.shape, plan)
+        return plan
+
+
 class TorchAttentionBackend:
     """The torch reference path (`ringserve.gpu.attention.torch_ref`).
 
@@ -45,7 +74,7 @@ class TorchAttentionBackend:
     name = "torch"
 
     def __init__(self) -> None:
-        self._plan: tuple[AttentionMetadata, torch.Size, torch_ref.AttentionPlan] | None = None
+        self.plans = StepPlans(torch_ref.plan_attention)
 
     def write_kv(
         self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
@@ -57,17 +86,35 @@ class TorchAttentionBackend:
         self, query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float
     ) -> torch.Tensor:
         """See `AttentionBackend.attend`."""
-        return torch_ref.paged_attention(query, kv_cache, meta, scale, self._plan_for(meta, kv_cache))
+        return torch_ref.paged_attention(query, kv_cache, meta, scale, self.plans.get(meta, kv_cache))
 
-    def _plan_for(self, meta: AttentionMetadata, kv_cache: torch.Tensor) -> torch_ref.AttentionPlan:
-        cached = self._plan
-        # Keyed by identity: the metadata is immutable and built afresh every step; holding it
-        # keeps its id from being reused while the plan is cached.
-        if cached is not None and cached[0] is meta and cached[1] == kv_cache.shape:
-            return cached[2]
-        plan = torch_ref.plan_attention(meta, kv_cache)
-        self._plan = (meta, kv_cache.shape, plan)
-        return plan
+
+class CpuAttentionBackend(TorchAttentionBackend):
+    """Decodes through the C kernel reading the paged cache in place (`cpu_native`);
+    multi-token queries, and caches other than float32, through the torch reference.
+
+    Like the torch backend, one instance serves every layer and keeps the step's plan.
+    """
+
+    name = "cpu"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.decode_plans = StepPlans(cpu_native.plan_decodes)
+
+    def attend(
+        self, query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float
+    ) -> torch.Tensor:
+        """See `AttentionBackend.attend`."""
+        if (query.dtype != torch.float32 or kv_cache.dtype != torch.float32
+                or query.device.type != "cpu" or not kv_cache.is_contiguous()):
+            return super().attend(query, kv_cache, meta, scale)
+        plan = self.decode_plans.get(meta, kv_cache)
+        query = query.contiguous()
+        out = torch.empty_like(query)
+        cpu_native.decode_attention(query, kv_cache, plan, scale, out)
+        torch_ref.attend_requests(query, kv_cache, meta, plan.requests, scale, out)
+        return out
 
 
 class TritonAttentionBackend:
@@ -93,15 +140,28 @@ class TritonAttentionBackend:
 
 
 def select_backend(device: torch.device, choice: BackendName = "auto") -> AttentionBackend:
-    """The backend for `device`: Triton on CUDA, torch elsewhere, unless `choice` says which.
+    """The backend for `device`, unless `choice` (or, when it is "auto",
+    RINGSERVE_ATTENTION_BACKEND) says which: Triton on CUDA; on CPU the C kernel when it can
+    be built here, else the torch reference.
 
     Raises:
-        ValueError: an unknown choice.
+        ValueError: an unknown choice, or "cpu" when the kernel cannot be built (no compiler)
+            or the device is not the CPU.
     """
     if choice == "auto":
-        choice = "triton" if device.type == "cuda" else "torch"
+        choice = cast(BackendName, envs.attention_backend())
+    if choice == "auto":
+        if device.type == "cuda":
+            choice = "triton"
+        else:
+            choice = "cpu" if device.type == "cpu" and cpu_native.load_kernel() else "torch"
     if choice == "torch":
         return TorchAttentionBackend()
+    if choice == "cpu":
+        if device.type != "cpu" or cpu_native.load_kernel() is None:
+            raise ValueError("attention_backend 'cpu': needs the CPU device and a C compiler "
+                             "with OpenMP (see the log for why the kernel did not build)")
+        return CpuAttentionBackend()
     if choice == "triton":
         return TritonAttentionBackend()
-    raise ValueError(f"attention_backend: got {choice!r}, allowed: auto, torch, triton")
+    raise ValueError(f"attention_backend: got {choice!r}, allowed: auto, torch, cpu, triton")

@@ -100,10 +100,8 @@ def plan_attention(meta: AttentionMetadata, kv_cache: torch.Tensor) -> Attention
     lens = np.asarray(meta.seq_lens_cpu, dtype=np.int64)
     query_lens = np.diff(qsl)
     table = meta.block_table.cpu().numpy()
-    requests = [
-        (i, _tensor(table[i, : -(-int(lens[i]) // block_size)].astype(np.int64), device))
-        for i in np.flatnonzero(query_lens > 1).tolist()
-    ]
+    requests = request_blocks(table, lens, np.flatnonzero(query_lens > 1).tolist(), block_size,
+                              device)
     decodes = np.flatnonzero(query_lens == 1).tolist()
     row_bytes = 2 * heads * dim * kv_cache.element_size()  # one position's key and value
     groups = _length_groups(decodes, meta.seq_lens_cpu, max(1, _GROUP_BYTES // row_bytes))
@@ -145,14 +143,28 @@ def paged_attention(
     out = torch.empty_like(query)
     for group in plan.groups:
         out.index_copy_(0, group.token_rows, _batched_decode(query, kv_cache, scale, group))
+    attend_requests(query, kv_cache, meta, plan.requests, scale, out)
+    return out
+
+
+def request_blocks(table: np.ndarray, lens: np.ndarray, indices: list[int], block_size: int,
+                   device: torch.device) -> list[tuple[int, torch.Tensor]]:
+    """(request index, the block ids its sequence uses, int64) for each of `indices`."""
+    return [(i, _tensor(table[i, : -(-int(lens[i]) // block_size)].astype(np.int64), device))
+            for i in indices]
+
+
+def attend_requests(query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
+                    requests: list[tuple[int, torch.Tensor]], scale: float,
+                    out: torch.Tensor) -> None:
+    """Attend each of `requests` (multi-token queries) on its own, into its rows of `out`."""
     qsl, lens = meta.query_start_loc_cpu, meta.seq_lens_cpu
-    for i, blocks in plan.requests:
+    for i, blocks in requests:
         seq_len, start, end = lens[i], qsl[i], qsl[i + 1]
         k = kv_cache[0].index_select(0, blocks).flatten(0, 1)[:seq_len].transpose(0, 1)
         v = kv_cache[1].index_select(0, blocks).flatten(0, 1)[:seq_len].transpose(0, 1)
         q = query[start:end].transpose(0, 1)
         out[start:end] = _attend(q, k.to(q.dtype), v.to(q.dtype), seq_len, scale).transpose(0, 1)
-    return out
 
 
 def _length_groups(
