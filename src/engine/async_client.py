@@ -84,6 +84,10 @@ class AsyncMPClient:
     """
 
     def __init__(self, config: EngineConfig, executor: str = "default") -> None:
+        # Read first, so that a bad value fails the start (before any socket exists), not the
+        # first restart.
+        self._restart_limit = envs.core_restart_limit()
+        self._restart_window = envs.core_restart_window_s()
         self.config = config
         self.num_engines = config.parallel_config.data_parallel_size
         self.ctx = zmq.Context(io_threads=1)
@@ -406,7 +410,7 @@ class AsyncMPClient:
     def _restart_budget_spent(self, index: int) -> str | None:
         """Why core `index` must not be restarted again (crash-looping), else None; a None
         counts this restart against the budget."""
-        limit, window = envs.core_restart_limit(), envs.core_restart_window_s()
+        limit, window = self._restart_limit, self._restart_window
         now = time.monotonic()
         times = self._restart_times[index]
         while times and now - times[0] > window:

@@ -137,7 +137,12 @@ class AsyncLLM:
         try:
             await nursery.start(self._run_quietly)
         except BaseException as exc:
-            await self._nursery_cm.__aexit__(type(exc), exc, exc.__traceback__)
+            try:
+                await self._nursery_cm.__aexit__(type(exc), exc, exc.__traceback__)
+            except BaseExceptionGroup as group:
+                # The nursery wraps the start-up error alone in a group: raise the error itself.
+                if list(group.exceptions) != [exc]:
+                    raise
             raise
         return self
 

@@ -227,6 +227,14 @@ async def test_crash_looping_core_ends_the_engine(tiny_llama_dir: Path,
             await greedy_tokens(llm)
 
 
+async def test_a_bad_restart_limit_fails_the_start(tiny_llama_dir: Path,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("RINGSERVE_CORE_RESTART_LIMIT", "many")
+    with pytest.raises(ValueError, match="RINGSERVE_CORE_RESTART_LIMIT: got 'many'"):
+        async with ft_engine(tiny_llama_dir):
+            pass
+
+
 @pytest.mark.slow
 async def test_killed_core_without_fault_tolerance_ends_the_engine(
         tiny_llama_dir: Path) -> None:
