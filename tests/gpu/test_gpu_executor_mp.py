@@ -203,6 +203,17 @@ def test_shutdown_fails_pending_and_reaps(tiny_llama_dir: Path) -> None:
     with pytest.raises(ExecutorShutdownError):
         future.result(timeout=1)
     assert not any(pid_alive(pid) for pid in pids)
+    # With a step unanswered the workers are killed at once (no frame, no grace period).
+    assert [p.returncode for p in ex._procs if p is not None] == [-signal.SIGKILL]
+    assert _segments() == set()
+
+
+def test_idle_shutdown_is_graceful(tiny_llama_dir: Path) -> None:
+    ex = MultiprocExecutor(_config(tiny_llama_dir))
+    ex.initialize_kv_cache(NUM_BLOCKS)
+    ex.execute_model(_prefill(0, "x", [1, 2, 3], 0))
+    ex.shutdown()
+    assert [p.returncode for p in ex._procs if p is not None] == [0]  # left on the frame
     assert _segments() == set()
 
 

@@ -309,13 +309,21 @@ class MultiprocExecutor(RemoteWorkersExecutor):
     # ---- shutdown -------------------------------------------------------------------------
 
     def shutdown(self) -> None:
-        """Stop the workers (shutdown frame, then SIGTERM, then SIGKILL), join, close; idempotent."""
+        """Stop the workers, join, close; idempotent.
+
+        Idle workers get a shutdown frame, then SIGTERM, then SIGKILL. After a fault, or with a
+        step or call still unanswered (a hung or dead worker), they are killed at once: nothing
+        in them is worth waiting for, and a stopped process ignores the frame and SIGTERM.
+        """
         if self._closed:
             return
         self._closed = True
         self._stopping = True
-        self._send_shutdown_frame()
-        self._reap_workers()
+        if self._pending.idle():
+            self._send_shutdown_frame()
+            self._reap_workers()
+        else:
+            self._kill_workers()
         for lifeline in self._lifelines:
             lifeline.child_started()
             lifeline.cut()
@@ -338,6 +346,14 @@ class MultiprocExecutor(RemoteWorkersExecutor):
             pass  # workers already gone, or not attached: the signals below do it
         finally:
             self._send_lock.release()
+
+    def _kill_workers(self) -> None:
+        procs = [p for p in self._procs if p is not None]
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+        for proc in procs:
+            proc.wait()
 
     def _reap_workers(self) -> None:
         deadline = time.monotonic() + SHUTDOWN_GRACE_S

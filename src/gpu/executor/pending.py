@@ -156,6 +156,11 @@ class Pending:
         else:
             call.future.set_result([r.value for r in replies])
 
+    def idle(self) -> bool:
+        """No fault, and no step or call waiting for a worker."""
+        with self._lock:
+            return self.failure is None and not self._steps and not self._calls
+
     def fail(self, exc: BaseException) -> None:
         """Record the first fault and fail every step and call in flight with it."""
         with self._lock:
