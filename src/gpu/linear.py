@@ -32,7 +32,7 @@ _PACK_BATCH_HINT = 32
 def pack_weight(weight: torch.Tensor) -> torch.Tensor | None:
     """oneDNN's prepacked copy of a `[out, in]` weight, or None where `F.linear` stays.
 
-    Packs float32 weights on CPU when torch has oneDNN (mkldnn); `packed_linear` uses them.
+    Packs float32 weights on CPU when torch has oneDNN (mkldnn); `apply_linear` uses them.
     """
     if weight.device.type != "cpu" or weight.dtype != torch.float32:
         return None
@@ -46,15 +46,26 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor | None:
     return packed
 
 
-def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """`F.linear(x, weight, bias)` with the weight as `pack_weight` returned it."""
+def repack(weight: nn.Parameter, *, keep_weight: bool = False
+           ) -> tuple[torch.Tensor | None, nn.Parameter]:
+    """(the packed copy or None, the weight to keep) for a layer's loaded `weight`.
+
+    Once packed, the plain weight is replaced by an empty placeholder unless `keep_weight`
+    (a tied LM head shares it with the embedding).
+    """
+    packed = pack_weight(weight)
+    if packed is None or keep_weight:
+        return packed, weight
+    return packed, nn.Parameter(torch.empty(0, dtype=weight.dtype), requires_grad=False)
+
+
+def apply_linear(x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor | None,
+           bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`F.linear(x, weight, bias)`, from the packed copy when `repack` made one."""
+    if packed is None:
+        return F.linear(x, weight, bias)
     out: torch.Tensor = torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
     return out
-
-
-def _placeholder(dtype: torch.dtype) -> nn.Parameter:
-    # Stands for a weight that now lives only in packed form.
-    return nn.Parameter(torch.empty(0, dtype=dtype), requires_grad=False)
 
 
 class ColumnParallelLinear(nn.Module):
@@ -101,9 +112,7 @@ class ColumnParallelLinear(nn.Module):
 
         Call once, after every shard is loaded; `load` cannot run afterwards.
         """
-        self.packed = pack_weight(self.weight)
-        if self.packed is not None:
-            self.weight = _placeholder(self.weight.dtype)
+        self.packed, self.weight = repack(self.weight)
 
     def _shard_index(self, shard_id: int) -> int:
         n = self.shard_ranks[shard_id]
@@ -126,9 +135,7 @@ class ColumnParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """This rank's slice of the output features."""
-        if self.packed is not None:
-            return packed_linear(x, self.packed, self.bias)
-        return F.linear(x, self.weight, self.bias)
+        return apply_linear(x, self.weight, self.packed, self.bias)
 
 
 class RowParallelLinear(nn.Module):
@@ -154,9 +161,7 @@ class RowParallelLinear(nn.Module):
 
     def process_weights_after_loading(self) -> None:
         """See `ColumnParallelLinear.process_weights_after_loading`."""
-        self.packed = pack_weight(self.weight)
-        if self.packed is not None:
-            self.weight = _placeholder(self.weight.dtype)
+        self.packed, self.weight = repack(self.weight)
 
     def load(self, name: str, loaded: torch.Tensor, shard_id: int = 0) -> None:
         """Copy this rank's columns of the weight (or the whole bias)."""
@@ -171,8 +176,7 @@ class RowParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """The full output, summed over the ranks."""
-        partial = F.linear(x, self.weight) if self.packed is None else packed_linear(x, self.packed, None)
-        y = self.tp.all_reduce(partial)
+        y = self.tp.all_reduce(apply_linear(x, self.weight, self.packed))
         return y if self.bias is None else y + self.bias
 
 

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ringserve.gpu.linear import pack_weight, packed_linear
+from ringserve.gpu.linear import apply_linear, repack
 from ringserve.gpu.parallel import TPGroup
 
 
@@ -61,7 +61,7 @@ class ParallelLMHead(VocabParallelEmbedding):
     """The output projection to vocabulary logits, split like the embedding.
 
     With tied embeddings the model shares the embedding's weight with this head. On CPU the
-    head computes from a oneDNN-packed copy (`ringserve.gpu.linear.pack_weight`; it is the
+    head computes from a oneDNN-packed copy (`ringserve.gpu.linear.repack`; it is the
     largest product of a decode step).
     """
 
@@ -70,15 +70,9 @@ class ParallelLMHead(VocabParallelEmbedding):
     def process_weights_after_loading(self, *, keep_weight: bool) -> None:
         """Pack the loaded weight (once, after loading); drop the plain copy unless
         `keep_weight` (a tied head shares it with the embedding)."""
-        self.packed = pack_weight(self.weight)
-        if self.packed is not None and not keep_weight:
-            self.weight = nn.Parameter(torch.empty(0, dtype=self.weight.dtype), requires_grad=False)
+        self.packed, self.weight = repack(self.weight, keep_weight=keep_weight)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits [N, vocab] (gathered from every rank) for hidden states [N, hidden]."""
-        if self.packed is not None:
-            local = packed_linear(hidden, self.packed, None)
-        else:
-            local = F.linear(hidden, self.weight)
-        logits = self.tp.all_gather_last_dim(local)
+        logits = self.tp.all_gather_last_dim(apply_linear(hidden, self.weight, self.packed))
         return logits[..., : self.num_embeddings]
