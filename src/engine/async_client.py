@@ -23,7 +23,6 @@ the core is crash-looping (restarted `RINGSERVE_CORE_RESTART_LIMIT` times within
 
 from __future__ import annotations
 
-import collections
 import itertools
 import logging
 import os
@@ -43,7 +42,7 @@ from ringserve.engine.errors import (
     EngineDeadError,
     EngineRecoveringError,
 )
-from ringserve.engine.fault_tolerance import EngineFaultState
+from ringserve.engine.fault_tolerance import EngineFaultState, RestartBudget
 from ringserve.engine.ipc_dir import make_ipc_dir
 from ringserve.engine.mp_client import CoreProcess, wait_for_handshakes
 from ringserve.engine.wire import (
@@ -84,12 +83,10 @@ class AsyncMPClient:
     """
 
     def __init__(self, config: EngineConfig, executor: str = "default") -> None:
-        # Read first, so that a bad value fails the start (before any socket exists), not the
-        # first restart.
-        self._restart_limit = envs.core_restart_limit()
-        self._restart_window = envs.core_restart_window_s()
         self.config = config
         self.num_engines = config.parallel_config.data_parallel_size
+        # Built first: a bad budget setting fails the start before any socket exists.
+        self._restart_budgets = [RestartBudget() for _ in range(self.num_engines)]
         self.ctx = zmq.Context(io_threads=1)
         self._dir = make_ipc_dir()
         self.input_sock = self.ctx.socket(zmq.ROUTER)
@@ -118,9 +115,6 @@ class AsyncMPClient:
         self.restarting: set[int] = set()
         self._handshakes: dict[int, tuple[trio.Event, list[HandshakeReply]]] = {}
         self.restarts = [0] * self.num_engines
-        # When each core was last restarted (monotonic seconds), within the restart window.
-        self._restart_times: list[collections.deque[float]] = [
-            collections.deque() for _ in range(self.num_engines)]
         self.num_blocks = 0
         self.max_model_len = config.model_config.max_model_len
 
@@ -359,8 +353,7 @@ class AsyncMPClient:
         `on_core_death(index, reason)` fails its requests, its pending utility calls fail, a
         new process starts on the same sockets and, after its handshake, the core is HEALTHY
         again. Otherwise, when the restart fails, or when the core already used up its
-        restarts (`envs.core_restart_limit` within `envs.core_restart_window_s`), the engine
-        is dead.
+        restarts (`fault_tolerance.RestartBudget`), the engine is dead.
 
         Args:
             on_core_death: called at once with the core's index and what happened to it.
@@ -389,7 +382,7 @@ class AsyncMPClient:
             reason = f"engine core {index} {proc.describe_exit()}"
             _remove_dead_segments()
             if self.dead is None and self._restarts_cores and not self._declared_dead(index):
-                crash_loop = self._restart_budget_spent(index)
+                crash_loop = self._restart_budgets[index].spend()
                 if crash_loop is None:
                     logger.error("%s: restarting it", reason)
                     fault = f"{reason}; it is being restarted"
@@ -406,20 +399,6 @@ class AsyncMPClient:
             on_core_death(index, reason)
             scope.cancel()
             return
-
-    def _restart_budget_spent(self, index: int) -> str | None:
-        """Why core `index` must not be restarted again (crash-looping), else None; a None
-        counts this restart against the budget."""
-        limit, window = self._restart_limit, self._restart_window
-        now = time.monotonic()
-        times = self._restart_times[index]
-        while times and now - times[0] > window:
-            times.popleft()
-        if len(times) >= limit:
-            return (f"it was restarted {len(times)} time(s) within {window:g} s already "
-                    "(RINGSERVE_CORE_RESTART_LIMIT, RINGSERVE_CORE_RESTART_WINDOW_S)")
-        times.append(now)
-        return None
 
     def _declared_dead(self, index: int) -> bool:
         return self.fault_states[index].status == str(EngineStatus.DEAD)

@@ -3,17 +3,24 @@
 Each core publishes a `FaultStatus` (in `EngineCoreOutputs.fault_status`) when its state
 changes (`sentinel.py`); `AsyncMPClient` keeps one `EngineFaultState` per core from those
 messages and from process deaths, and `AsyncLLM.fault_status()` reports them as a
-`FaultStatusReport`, the body of `GET /fault_tolerance/status` (vLLM's shape).
+`FaultStatusReport`, the body of `GET /fault_tolerance/status` (vLLM's shape). A
+`RestartBudget` per core tells a crash-looping core (not restarted again) from one that died
+once.
 """
 
 from __future__ import annotations
 
+import time
+from collections import deque
+
 import msgspec
 
+from ringserve import envs
 from ringserve.engine.sentinel import FAULT_INSTRUCTIONS
 from ringserve.engine.wire import EngineStatus, FaultStatus
 
-__all__ = ["FAULT_INSTRUCTIONS", "EngineFaultState", "FaultStatusReport", "check_instruction"]
+__all__ = ["FAULT_INSTRUCTIONS", "EngineFaultState", "FaultStatusReport", "RestartBudget",
+           "check_instruction"]
 
 SCHEMA_VERSION = 1
 
@@ -81,3 +88,29 @@ def check_instruction(instruction: str, params: dict[str, object] | None) -> Non
     if params:
         raise ValueError(f"params: {instruction!r} takes no parameters, got "
                          f"{sorted(params)}; send {{}}")
+
+
+class RestartBudget:
+    """How many times one core may be restarted: `RINGSERVE_CORE_RESTART_LIMIT` restarts
+    within any `RINGSERVE_CORE_RESTART_WINDOW_S` seconds.
+
+    Both are read at construction, so that a bad value fails the start, not the first restart.
+    """
+
+    def __init__(self) -> None:
+        self.limit = envs.core_restart_limit()
+        self.window = envs.core_restart_window_s()
+        self._times: deque[float] = deque()  # monotonic seconds of the restarts in the window
+
+    def spend(self) -> str | None:
+        """Count one more restart and return None; or, when the budget is spent (the core is
+        crash-looping), count nothing and return why it must not be restarted."""
+        now = time.monotonic()
+        times = self._times
+        while times and now - times[0] > self.window:
+            times.popleft()
+        if len(times) >= self.limit:
+            return (f"it was restarted {len(times)} time(s) within {self.window:g} s already "
+                    "(RINGSERVE_CORE_RESTART_LIMIT, RINGSERVE_CORE_RESTART_WINDOW_S)")
+        times.append(now)
+        return None

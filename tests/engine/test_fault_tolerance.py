@@ -361,3 +361,20 @@ async def test_a_core_reaped_before_the_watch_starts_is_seen_dead(tiny_llama_dir
         assert client.dead is not None and "SIGKILL" in client.dead
     finally:
         client.shutdown()
+
+
+def test_restart_budget_counts_restarts_within_its_window(monkeypatch: pytest.MonkeyPatch) -> None:
+    from ringserve.engine import fault_tolerance
+
+    monkeypatch.setenv("RINGSERVE_CORE_RESTART_LIMIT", "2")
+    monkeypatch.setenv("RINGSERVE_CORE_RESTART_WINDOW_S", "10")
+    clock = [100.0]
+    monkeypatch.setattr(fault_tolerance.time, "monotonic", lambda: clock[0])
+    budget = fault_tolerance.RestartBudget()
+    assert budget.spend() is None
+    clock[0] += 6
+    assert budget.spend() is None
+    assert "restarted 2 time(s) within 10 s" in (budget.spend() or "")
+    clock[0] += 5  # the first restart is out of the window now
+    assert budget.spend() is None
+    assert budget.spend() is not None
