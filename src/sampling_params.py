@@ -20,10 +20,11 @@ _GREEDY_EPS = 1e-5
 MAX_N = 16384
 # top_k travels to the workers as int32; anything at or past the vocabulary means "off".
 _MAX_TOP_K = 2**31 - 1
+# The signed integers a request's fields may hold: they travel to the engine core as msgpack
+# int64, and past that a request could not even be sent (token counts, priority).
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 # torch.Generator.manual_seed's range (past it, the wire's msgpack ints end too).
-_MIN_SEED, _MAX_SEED = -(2**63), 2**64 - 1
-# Token counts travel as msgpack ints: past int64 a request could not even be sent.
-_MAX_INT64 = 2**63 - 1
+_MAX_SEED = 2**64 - 1
 
 
 class RequestOutputKind(enum.IntEnum):
@@ -91,10 +92,10 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     def _verify_counts(self) -> None:
         if not 1 <= self.n <= MAX_N:
             raise _fail("n", self.n, f"an integer in [1, {MAX_N}]")
-        if self.max_tokens is not None and not 1 <= self.max_tokens <= _MAX_INT64:
+        if self.max_tokens is not None and not 1 <= self.max_tokens <= INT64_MAX:
             raise _fail("max_tokens", self.max_tokens,
                         "an integer in [1, 2**63), or None (up to max_model_len)")
-        if not 0 <= self.min_tokens <= _MAX_INT64:
+        if not 0 <= self.min_tokens <= INT64_MAX:
             raise _fail("min_tokens", self.min_tokens, "an integer in [0, 2**63)")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise _fail("min_tokens", self.min_tokens, f"at most max_tokens ({self.max_tokens})")
@@ -123,7 +124,7 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
                         f"0 or -1 (disabled) or an integer in [1, {_MAX_TOP_K}]")
         if not 0.0 <= self.min_p <= 1.0:
             raise _fail("min_p", self.min_p, "a float in [0, 1]")
-        if self.seed is not None and not _MIN_SEED <= self.seed <= _MAX_SEED:
+        if self.seed is not None and not INT64_MIN <= self.seed <= _MAX_SEED:
             raise _fail("seed", self.seed, "None or an integer in [-2**63, 2**64)")
 
     def _verify_stops(self) -> None:

@@ -13,9 +13,7 @@ from typing import Any, TypedDict
 
 from ringserve.config import ModelConfig
 from ringserve.engine.wire import EngineCoreRequest
-from ringserve.sampling_params import SamplingParams
-
-_MIN_PRIORITY, _MAX_PRIORITY = -(2**63), 2**63 - 1
+from ringserve.sampling_params import INT64_MAX, INT64_MIN, SamplingParams
 
 
 class TokensPrompt(TypedDict, total=False):
@@ -59,7 +57,7 @@ class InputProcessor:
                 outside int64.
         """
         cfg = self.model_config
-        if not _MIN_PRIORITY <= priority <= _MAX_PRIORITY:
+        if not INT64_MIN <= priority <= INT64_MAX:
             # It travels as a msgpack int64: a larger one would fail to encode after admission.
             raise ValueError(f"priority: got {priority}, allowed: an integer in [-2**63, 2**63)")
         params.verify_for_model(vocab_size=cfg.vocab_size, max_logprobs=cfg.max_logprobs)

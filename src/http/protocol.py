@@ -14,8 +14,10 @@ from typing import Annotated, Any
 
 import msgspec
 
+from ringserve.sampling_params import INT64_MAX, INT64_MIN
+
 # The engine core receives it as a msgpack int64: past that it cannot even be sent.
-Int64 = Annotated[int, msgspec.Meta(ge=-(2**63), le=2**63 - 1)]
+Int64 = Annotated[int, msgspec.Meta(ge=INT64_MIN, le=INT64_MAX)]
 
 
 class StreamOptions(msgspec.Struct, kw_only=True):
