@@ -21,6 +21,9 @@ from ringserve.gpu.attention.metadata import AttentionMetadata
 BackendName = Literal["auto", "torch", "cpu", "triton"]
 P = TypeVar("P")
 
+_CPU_NEEDS = ("attention_backend 'cpu': needs the CPU device and a C compiler with OpenMP "
+              "(see the log for why the kernel did not build)")
+
 
 class AttentionBackend(Protocol):
     """Writes a step's keys/values into the paged cache and attends over it."""
@@ -94,12 +97,22 @@ class CpuAttentionBackend(TorchAttentionBackend):
     multi-token queries, and caches other than float32, through the torch reference.
 
     Like the torch backend, one instance serves every layer and keeps the step's plan.
+
+    Args:
+        kernel: the loaded kernel (`cpu_native.load_kernel`); None loads it now.
+
+    Raises:
+        ValueError: the kernel cannot be built here (no C compiler with OpenMP).
     """
 
     name = "cpu"
 
-    def __init__(self) -> None:
+    def __init__(self, kernel: cpu_native.Kernel | None = None) -> None:
         super().__init__()
+        kernel = kernel or cpu_native.load_kernel()
+        if kernel is None:
+            raise ValueError(_CPU_NEEDS)
+        self.kernel = kernel
         self.decode_plans = StepPlans(cpu_native.plan_decodes)
 
     def attend(
@@ -112,7 +125,7 @@ class CpuAttentionBackend(TorchAttentionBackend):
         plan = self.decode_plans.get(meta, kv_cache)
         query = query.contiguous()
         out = torch.empty_like(query)
-        cpu_native.decode_attention(query, kv_cache, plan, scale, out)
+        cpu_native.decode_attention(self.kernel, query, kv_cache, plan, scale, out)
         torch_ref.attend_requests(query, kv_cache, meta, plan.requests, scale, out)
         return out
 
@@ -158,9 +171,8 @@ def select_backend(device: torch.device, choice: BackendName = "auto") -> Attent
     if choice == "torch":
         return TorchAttentionBackend()
     if choice == "cpu":
-        if device.type != "cpu" or cpu_native.load_kernel() is None:
-            raise ValueError("attention_backend 'cpu': needs the CPU device and a C compiler "
-                             "with OpenMP (see the log for why the kernel did not build)")
+        if device.type != "cpu":
+            raise ValueError(_CPU_NEEDS)
         return CpuAttentionBackend()
     if choice == "triton":
         return TritonAttentionBackend()

@@ -46,10 +46,10 @@ _FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared"]
 _SYMBOL = "ringserve_paged_decode_f32"
 
 # The kernel's ctypes function: (pointers and sizes as in cpu_decode.c) -> status.
-_Kernel = Callable[..., int]
+Kernel = Callable[..., int]
 
 _lock = threading.Lock()
-_loaded: dict[str, _Kernel | None] = {}
+_loaded: dict[str, Kernel | None] = {}
 
 
 @dataclass(frozen=True)
@@ -100,9 +100,10 @@ def plan_decodes(meta: AttentionMetadata, kv_cache: torch.Tensor) -> DecodePlan:
                       max_len=int(dlens.max()) if decodes.size else 0, requests=requests)
 
 
-def decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, plan: DecodePlan,
-                     scale: float, out: torch.Tensor) -> None:
-    """Write the attention of `plan`'s decode rows of `query` [T, Hq, D] into `out`.
+def decode_attention(kernel: Kernel, query: torch.Tensor, kv_cache: torch.Tensor,
+                     plan: DecodePlan, scale: float, out: torch.Tensor) -> None:
+    """Write the attention of `plan`'s decode rows of `query` [T, Hq, D] into `out`, with
+    `kernel` (what `load_kernel` returned).
 
     Both `query` and `out` are contiguous float32 and `kv_cache` is this layer's contiguous
     float32 cache (the backend checks; other rows of `out` are left as they are).
@@ -111,8 +112,6 @@ def decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, plan: DecodePl
         ValueError: the shapes disagree (the kernel would read or write out of bounds).
         MemoryError: the kernel could not allocate its scratch buffers.
     """
-    kernel = load_kernel()
-    assert kernel is not None  # the backend exists only once the kernel loaded
     n = plan.rows.shape[0]
     if n == 0:
         return
@@ -132,7 +131,7 @@ def decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, plan: DecodePl
         raise MemoryError("attention: the CPU kernel could not allocate its scratch buffers")
 
 
-def load_kernel() -> _Kernel | None:
+def load_kernel() -> Kernel | None:
     """The compiled kernel (built and cached on first use), or None when it cannot be had."""
     key = _build_key()
     with _lock:
@@ -160,7 +159,7 @@ def _cpu_signature() -> str:
     return "\n".join(sorted({line for line in lines if line.split(":")[0].strip() in wanted}))
 
 
-def _load(key: str) -> _Kernel | None:
+def _load(key: str) -> Kernel | None:
     cc = _compiler()
     if cc is None:
         logger.warning("no C compiler (CC or cc): CPU attention uses the torch reference")
@@ -183,7 +182,7 @@ def _load(key: str) -> _Kernel | None:
     kernel.argtypes = [ptr, ptr, ptr, i64, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64,
                        ctypes.c_float, i64, ctypes.c_int]
     kernel.restype = ctypes.c_int
-    kernel_fn: _Kernel = kernel
+    kernel_fn: Kernel = kernel
     return kernel_fn
 
 
