@@ -28,7 +28,7 @@ import time
 import msgspec
 
 from ringserve.config import CacheConfig, SchedulerConfig
-from ringserve.engine.scheduler import Scheduler
+from ringserve.engine.sched.scheduler import Scheduler
 from ringserve.engine.wire import EngineCoreRequest
 from ringserve.gpu.wire import ModelRunnerOutput, SchedulerOutput
 from ringserve.sampling_params import SamplingParams

@@ -48,11 +48,11 @@ from ringserve.engine.errors import (
 from ringserve.engine.fault_tolerance import FaultStatusReport, check_instruction
 from ringserve.engine.input_processor import InputProcessor, PromptType
 from ringserve.engine.llm_engine import load_tokenizer
-from ringserve.engine.metrics_reader import Metric
+from ringserve.engine.metrics.metrics_reader import Metric
+from ringserve.engine.metrics.stat_loggers import StatLoggerFactory, StatLoggerManager
+from ringserve.engine.metrics.stats import IterationStats
 from ringserve.engine.output_processor import OutputProcessor
 from ringserve.engine.parent_request import ParentRequest
-from ringserve.engine.stat_loggers import StatLoggerFactory, StatLoggerManager
-from ringserve.engine.stats import IterationStats
 from ringserve.engine.wire import FAULT_INSTRUCTION_METHOD, EngineCoreRequest
 from ringserve.outputs import RequestOutput
 from ringserve.sampling_params import SamplingParams

@@ -20,8 +20,8 @@ import msgspec
 
 from ringserve import envs
 from ringserve.config import EngineConfig
-from ringserve.engine.flops import ModelFlops
-from ringserve.engine.scheduler import Scheduler
+from ringserve.engine.metrics.flops import ModelFlops
+from ringserve.engine.sched.scheduler import Scheduler
 from ringserve.engine.wire import (
     EngineCoreOutput,
     EngineCoreOutputs,

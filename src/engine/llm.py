@@ -29,7 +29,7 @@ from ringserve.engine.errors import EngineDeadError
 from ringserve.engine.fault_tolerance import check_instruction
 from ringserve.engine.input_processor import PromptType, TokensPrompt
 from ringserve.engine.llm_engine import LLMEngine
-from ringserve.engine.metrics_reader import Metric
+from ringserve.engine.metrics.metrics_reader import Metric
 from ringserve.engine.wire import FAULT_INSTRUCTION_METHOD
 from ringserve.outputs import RequestOutput
 from ringserve.sampling_params import RequestOutputKind, SamplingParams

@@ -16,11 +16,11 @@ from ringserve.config import EngineConfig
 from ringserve.engine.arg_utils import EngineArgs
 from ringserve.engine.core_client import EngineCoreClient, InprocClient
 from ringserve.engine.input_processor import InputProcessor, PromptType
-from ringserve.engine.metrics_reader import Metric
+from ringserve.engine.metrics.metrics_reader import Metric
+from ringserve.engine.metrics.stat_loggers import StatLoggerManager
+from ringserve.engine.metrics.stats import IterationStats
 from ringserve.engine.output_processor import OutputProcessor
 from ringserve.engine.parent_request import ParentRequest
-from ringserve.engine.stat_loggers import StatLoggerManager
-from ringserve.engine.stats import IterationStats
 from ringserve.engine.wire import EngineCoreRequest
 from ringserve.gpu.executor.base import Executor
 from ringserve.outputs import RequestOutput

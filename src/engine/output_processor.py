@@ -15,8 +15,8 @@ from typing import Any
 
 from ringserve.engine.detokenizer import IncrementalDetokenizer
 from ringserve.engine.logprobs import LogprobsAccumulator
+from ringserve.engine.metrics.stats import IterationStats, RequestStateStats
 from ringserve.engine.parent_request import ParentRequest
-from ringserve.engine.stats import IterationStats, RequestStateStats
 from ringserve.engine.wire import EngineCoreOutput, EngineCoreRequest, FinishReason
 from ringserve.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from ringserve.sampling_params import RequestOutputKind

@@ -17,9 +17,9 @@ from importlib.metadata import entry_points
 from typing import Protocol
 
 from ringserve.config import EngineConfig
-from ringserve.engine.metrics_reader import Metric, get_metrics_snapshot
-from ringserve.engine.prometheus import PrometheusStatLogger
-from ringserve.engine.stats import IterationStats
+from ringserve.engine.metrics.metrics_reader import Metric, get_metrics_snapshot
+from ringserve.engine.metrics.prometheus import PrometheusStatLogger
+from ringserve.engine.metrics.stats import IterationStats
 from ringserve.engine.wire import SchedulerStats
 
 logger = logging.getLogger(__name__)

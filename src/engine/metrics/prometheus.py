@@ -22,7 +22,7 @@ from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 
 from ringserve.config import EngineConfig
-from ringserve.engine.stats import IterationStats
+from ringserve.engine.metrics.stats import IterationStats
 from ringserve.engine.wire import FinishReason, SchedulerStats
 
 TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,

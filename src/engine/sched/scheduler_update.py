@@ -18,8 +18,8 @@ import time
 from abc import ABC, abstractmethod
 from collections.abc import Iterable
 
-from ringserve.engine.kv_cache_manager import KVCacheManager
-from ringserve.engine.request import Request, RequestStatus
+from ringserve.engine.sched.kv_cache_manager import KVCacheManager
+from ringserve.engine.sched.request import Request, RequestStatus
 from ringserve.engine.wire import (
     EngineCoreOutput,
     EngineCoreOutputs,

@@ -9,7 +9,7 @@ from collections.abc import Iterator
 import pytest
 from sched_fakes import Driver, check_no_leaks, default_sampler, make_request, make_scheduler
 
-from ringserve.engine.block_hash import ROOT_HASH, hash_full_blocks
+from ringserve.engine.sched.block_hash import ROOT_HASH, hash_full_blocks
 from ringserve.engine.wire import FinishReason
 
 

@@ -14,10 +14,10 @@ from prometheus_client.parser import text_string_to_metric_families
 from ringserve import EngineArgs, RequestOutputKind, SamplingParams
 from ringserve.config import EngineConfig
 from ringserve.engine.async_llm import AsyncLLM
-from ringserve.engine.flops import ModelFlops
 from ringserve.engine.llm_engine import LLMEngine
-from ringserve.engine.metrics_reader import Counter, Gauge, Histogram, Metric
-from ringserve.engine.stat_loggers import LoggingStatLogger
+from ringserve.engine.metrics.flops import ModelFlops
+from ringserve.engine.metrics.metrics_reader import Counter, Gauge, Histogram, Metric
+from ringserve.engine.metrics.stat_loggers import LoggingStatLogger
 from ringserve.engine.wire import SchedulerStats
 from ringserve.gpu.executor.null import NullExecutor
 from ringserve.gpu.wire import CachedRequestData, NewRequestData, SchedulerOutput

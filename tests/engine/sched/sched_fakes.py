@@ -10,8 +10,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ringserve.config import CacheConfig, SchedulerConfig, SchedulingPolicy
-from ringserve.engine.block_pool import BlockPool
-from ringserve.engine.scheduler import Scheduler
+from ringserve.engine.sched.block_pool import BlockPool
+from ringserve.engine.sched.scheduler import Scheduler
 from ringserve.engine.wire import (
     EngineCoreOutput,
     EngineCoreOutputs,

@@ -28,11 +28,11 @@ from collections.abc import Iterable
 from functools import partial
 
 from ringserve.config import CacheConfig, SchedulerConfig
-from ringserve.engine.admission import RequestLimits
-from ringserve.engine.kv_cache_manager import KVCacheManager
-from ringserve.engine.request import Request, RequestStatus
-from ringserve.engine.request_queue import create_request_queue
-from ringserve.engine.scheduler_update import OutputMixin
+from ringserve.engine.sched.admission import RequestLimits
+from ringserve.engine.sched.kv_cache_manager import KVCacheManager
+from ringserve.engine.sched.request import Request, RequestStatus
+from ringserve.engine.sched.request_queue import create_request_queue
+from ringserve.engine.sched.scheduler_update import OutputMixin
 from ringserve.engine.wire import (
     EngineCoreEventType,
     EngineCoreOutput,

@@ -7,9 +7,9 @@ from collections.abc import Iterator
 import pytest
 from sched_fakes import _created_pools, check_no_leaks
 
-from ringserve.engine.block_hash import ROOT_HASH, hash_block, hash_full_blocks, root_hash
-from ringserve.engine.kv_cache_manager import KVCacheManager
-from ringserve.engine.request import Request
+from ringserve.engine.sched.block_hash import ROOT_HASH, hash_block, hash_full_blocks, root_hash
+from ringserve.engine.sched.kv_cache_manager import KVCacheManager
+from ringserve.engine.sched.request import Request
 from ringserve.sampling_params import SamplingParams
 
 

@@ -18,9 +18,9 @@ turns) and to the request itself when it resumes after a preemption.
 
 from __future__ import annotations
 
-from ringserve.engine.block_hash import hash_full_blocks, root_hash
-from ringserve.engine.block_pool import BlockPool
-from ringserve.engine.request import Request
+from ringserve.engine.sched.block_hash import hash_full_blocks, root_hash
+from ringserve.engine.sched.block_pool import BlockPool
+from ringserve.engine.sched.request import Request
 
 __all__ = ["KVCacheManager", "PrefixCacheStats"]
 

@@ -7,7 +7,7 @@ from collections.abc import Iterator
 import pytest
 from sched_fakes import check_no_leaks, make_pool
 
-from ringserve.engine.block_pool import NULL_BLOCK_ID, BlockPool
+from ringserve.engine.sched.block_pool import NULL_BLOCK_ID, BlockPool
 
 
 @pytest.fixture(autouse=True)

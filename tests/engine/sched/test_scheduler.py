@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from sched_fakes import EOS, Driver, check_no_leaks, default_sampler, make_request, make_scheduler
 
-from ringserve.engine.request import RequestStatus
+from ringserve.engine.sched.request import RequestStatus
 from ringserve.engine.wire import EngineCoreEventType, FinishReason
 from ringserve.gpu.wire import Logprobs, ModelRunnerOutput
 

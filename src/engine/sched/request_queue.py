@@ -13,7 +13,7 @@ from collections.abc import Iterator
 from typing import Protocol
 
 from ringserve.config import SchedulingPolicy
-from ringserve.engine.request import Request
+from ringserve.engine.sched.request import Request
 
 __all__ = ["FCFSRequestQueue", "PriorityRequestQueue", "RequestQueue", "create_request_queue"]
 
