@@ -14,6 +14,8 @@ from typing import Any
 
 import msgspec
 
+from ringserve.typecheck import check_fields
+
 _GREEDY_EPS = 1e-5
 # The most outputs one request may ask for (vLLM's default VLLM_MAX_N_SEQUENCES): each is a
 # request of its own, built at once, so an unbounded `n` is a denial of service.
@@ -51,6 +53,8 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     """Sampling and stopping parameters for one request (vLLM's names, defaults and ranges).
 
     Raises:
+        TypeError: on construction when a field has the wrong type (as strict as the wire:
+            `max_tokens=100.0` or `ignore_eos=1` is refused, naming the field).
         ValueError: on construction (or wire decoding) when a field is out of range; the
             message names the field, the value given and what is allowed.
     """
@@ -81,6 +85,7 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
 
     def __post_init__(self) -> None:
+        check_fields(self)
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self._verify_counts()

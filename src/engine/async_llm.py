@@ -28,7 +28,6 @@ import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
-import msgspec
 import trio
 
 from ringserve import envs
@@ -52,7 +51,6 @@ from ringserve.engine.metrics.metrics_reader import Metric
 from ringserve.engine.metrics.stat_loggers import StatLoggerFactory, StatLoggerManager
 from ringserve.engine.metrics.stats import IterationStats
 from ringserve.engine.output_processor import OutputProcessor
-from ringserve.engine.parent_request import ParentRequest
 from ringserve.engine.wire import FAULT_INSTRUCTION_METHOD, EngineCoreRequest
 from ringserve.outputs import RequestOutput
 from ringserve.sampling_params import SamplingParams
@@ -290,7 +288,13 @@ class AsyncLLM:
                           ) -> RequestOutputCollector:
         """Validate, admit and send a request; returns its collector.
 
+        `request_id` is the caller's: it is echoed in every output but need not be unique.
+        Inside, the request (and each child of an n > 1 request) travels under an internal
+        id unique to it (`collector.handle`), so no other request's abort or disconnect can
+        touch it.
+
         Raises:
+            TypeError: an argument of the wrong type (naming it).
             EngineDeadError: the engine is dead.
             ValueError: the prompt or parameters are invalid.
             QueueOverflowError, MaxQueuedTokensError: admission control refused it.
@@ -302,23 +306,16 @@ class AsyncLLM:
         client.check_accepting()
         self.check_admission(params.n, params.n * len(request.prompt_token_ids))
         collector = RequestOutputCollector(params.output_kind)
-        if params.n == 1:
-            self.output_processor.add_request(request, text, queue=collector)
-            children = [request]
-        else:
-            parent = ParentRequest(request_id, params)
-            children = [msgspec.structs.replace(request, request_id=cid,
-                                                sampling_params=parent.child_params(i))
-                        for i, cid in enumerate(parent.child_ids)]
-            for index, child in enumerate(children):
-                self.output_processor.add_request(child, text, parent, index, queue=collector)
+        handle, children = self.output_processor.admit(request, text, queue=collector)
+        collector.handle = handle
         try:
             for child in children:
                 await client.add_request(child)
         except BaseException:
-            # Not sent (its core is restarting, or the engine died): stop tracking it, and
-            # abort the children that did reach a core.
-            self._abort_now([request_id])
+            # Not sent (its core is restarting, the engine died, a bad data_parallel_rank):
+            # stop tracking every child (which gives back their admission counts), and abort
+            # the ones that did reach a core.
+            self._abort_now([handle])
             raise
         return collector
 
@@ -360,7 +357,7 @@ class AsyncLLM:
                 yield output
         finally:
             if not finished:
-                self._abort_now([rid])
+                self._abort_now([collector.handle])
 
     def _abort_now(self, request_ids: list[str]) -> None:
         """Abort without awaiting (works inside a cancelled scope)."""
@@ -370,9 +367,11 @@ class AsyncLLM:
             client.abort_requests_nowait(core_ids)
 
     async def abort(self, request_id: str | list[str]) -> None:
-        """Abort requests; their streams end with finish reason "abort"."""
+        """Abort requests by their ids (every in-flight request with that id); their streams
+        end with finish reason "abort"."""
         ids = [request_id] if isinstance(request_id, str) else list(request_id)
-        core_ids = self.output_processor.abort_requests(ids, notify=True)
+        processor = self.output_processor
+        core_ids = processor.abort_requests(processor.handles_of(ids), notify=True)
         client = self.client
         if core_ids and client is not None and client.dead is None:
             await client.abort_requests(core_ids)

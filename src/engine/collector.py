@@ -24,6 +24,8 @@ class RequestOutputCollector:
 
     def __init__(self, output_kind: RequestOutputKind) -> None:
         self._kind = output_kind
+        # The request's internal id (set when it is admitted): what aborts exactly it.
+        self.handle = ""
         self._slot: RequestOutput | BaseException | None = None
         self._ready = trio.Event()
 

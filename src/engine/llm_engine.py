@@ -9,8 +9,6 @@ from __future__ import annotations
 import time
 from typing import Any
 
-import msgspec
-
 from ringserve import envs
 from ringserve.config import EngineConfig
 from ringserve.engine.arg_utils import EngineArgs
@@ -20,7 +18,6 @@ from ringserve.engine.metrics.metrics_reader import Metric
 from ringserve.engine.metrics.stat_loggers import StatLoggerManager
 from ringserve.engine.metrics.stats import IterationStats
 from ringserve.engine.output_processor import OutputProcessor
-from ringserve.engine.parent_request import ParentRequest
 from ringserve.engine.wire import EngineCoreRequest
 from ringserve.gpu.executor.base import Executor
 from ringserve.outputs import RequestOutput
@@ -96,24 +93,27 @@ class LLMEngine:
                                                      arrival_time=arrival_time, priority=priority)
         self.add_processed_request(request, text)
 
-    def add_processed_request(self, request: EngineCoreRequest, text: str | None) -> None:
-        """Queue a request `input_processor.process` built (n > 1 fans out to children)."""
-        params = request.sampling_params
-        request_id = request.request_id
-        if params.n == 1:
-            self.output_processor.add_request(request, text)
-            self.engine_core.add_request(request)
-            return
-        parent = ParentRequest(request_id, params)
-        for index, child_id in enumerate(parent.child_ids):
-            child = msgspec.structs.replace(
-                request, request_id=child_id, sampling_params=parent.child_params(index))
-            self.output_processor.add_request(child, text, parent, index)
-            self.engine_core.add_request(child)
+    def add_processed_request(self, request: EngineCoreRequest, text: str | None) -> str:
+        """Queue a request `input_processor.process` built (n > 1 fans out to children).
+
+        Returns:
+            Its internal handle: the core sees it (and its children) under unique ids, so a
+            user id shared by two requests never mixes them up.
+        """
+        processor = self.output_processor
+        handle, children = processor.admit(request, text)
+        try:
+            for child in children:
+                self.engine_core.add_request(child)
+        except BaseException:
+            self.engine_core.abort_requests(processor.abort_requests([handle]))
+            raise
+        return handle
 
     def abort_request(self, request_ids: list[str]) -> None:
         """Abort requests by their user ids (n > 1 parents abort all children)."""
-        core_ids = self.output_processor.abort_requests(request_ids)
+        processor = self.output_processor
+        core_ids = processor.abort_requests(processor.handles_of(request_ids))
         self.engine_core.abort_requests(core_ids)
 
     def step(self) -> list[RequestOutput]:

@@ -9,9 +9,13 @@ their `ParentRequest`. Pure Python over the wire structs: no trio, zmq or torch.
 
 from __future__ import annotations
 
+import itertools
+import secrets
 import time
 from dataclasses import dataclass, field
 from typing import Any
+
+import msgspec
 
 from ringserve.engine.detokenizer import IncrementalDetokenizer
 from ringserve.engine.logprobs import LogprobsAccumulator
@@ -33,10 +37,15 @@ class RequestState:
         parent: ParentRequest | None,
         index: int,
         queue: Any,
+        external_id: str | None = None,
     ) -> None:
         params = request.sampling_params
         self.request_id = request.request_id
-        self.external_id = parent.request_id if parent is not None else request.request_id
+        if external_id is None:
+            external_id = parent.request_id if parent is not None else request.request_id
+        self.external_id = external_id
+        # What aborts this request as a whole: its parent's internal id, or its own.
+        self.handle = parent.internal_id if parent is not None else request.request_id
         self.prompt = prompt
         self.prompt_token_ids = request.prompt_token_ids
         self.parent = parent
@@ -147,9 +156,44 @@ class OutputProcessor:
     def __init__(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer
         self.request_states: dict[str, RequestState] = {}
+        # Keyed by the parent's internal id (its handle).
         self.parent_requests: dict[str, ParentRequest] = {}
+        # Internal ids are `{user id}#{token}{counter}`: the counter makes them unique in this
+        # frontend, the random token across frontends sharing a core.
+        self._id_token = secrets.token_hex(4)
+        self._id_counter = itertools.count()
         # Prompt tokens of tracked requests that have not produced a token yet.
         self.num_prefill_tokens = 0
+
+    def admit(self, request: EngineCoreRequest, prompt: str | None,
+              queue: Any = None) -> tuple[str, list[EngineCoreRequest]]:
+        """Start tracking a user request under a fresh internal id (n > 1: n children).
+
+        The user's `request.request_id` is only echoed in the outputs: two requests may share
+        it, and neither can abort, fail or receive the other's outputs.
+
+        Args:
+            request: the processed request, with the user's id.
+            prompt: its prompt text (None for token prompts).
+            queue: where its RequestOutputs go (None: returned by `process_outputs`).
+
+        Returns:
+            The request's handle (for `abort_requests`) and the core requests to send.
+        """
+        external_id = request.request_id
+        handle = f"{external_id}#{self._id_token}{next(self._id_counter)}"
+        params = request.sampling_params
+        if params.n == 1:
+            core_request = msgspec.structs.replace(request, request_id=handle)
+            self.add_request(core_request, prompt, queue=queue, external_id=external_id)
+            return handle, [core_request]
+        parent = ParentRequest(external_id, params, internal_id=handle)
+        children = [msgspec.structs.replace(request, request_id=cid,
+                                            sampling_params=parent.child_params(i))
+                    for i, cid in enumerate(parent.child_ids)]
+        for index, child in enumerate(children):
+            self.add_request(child, prompt, parent, index, queue=queue)
+        return handle, children
 
     def add_request(
         self,
@@ -158,8 +202,9 @@ class OutputProcessor:
         parent: ParentRequest | None = None,
         index: int = 0,
         queue: Any = None,
+        external_id: str | None = None,
     ) -> None:
-        """Start tracking a (child) request.
+        """Start tracking a (child) request under its core id (`admit` picks unique ones).
 
         Raises:
             ValueError: the request id is already in flight.
@@ -167,16 +212,23 @@ class OutputProcessor:
         if request.request_id in self.request_states:
             raise ValueError(f"request_id {request.request_id!r} is already in flight")
         self.request_states[request.request_id] = RequestState(
-            request, prompt, self.tokenizer, parent, index, queue)
+            request, prompt, self.tokenizer, parent, index, queue, external_id)
         self.num_prefill_tokens += len(request.prompt_token_ids)
         if parent is not None:
-            self.parent_requests[parent.request_id] = parent
+            self.parent_requests[parent.internal_id] = parent
+
+    def handles_of(self, external_ids: list[str]) -> list[str]:
+        """The handles of the tracked requests with these user ids (in admission order)."""
+        wanted = set(external_ids)
+        handles = dict.fromkeys(state.handle for state in self.request_states.values()
+                                if state.external_id in wanted)
+        return list(handles)
 
     def abort_requests(self, request_ids: list[str], notify: bool = False) -> list[str]:
         """Stop tracking requests (parents expand to their children); returns core ids.
 
         Args:
-            request_ids: user request ids (or child ids).
+            request_ids: handles from `admit` (or core ids); `handles_of` maps user ids.
             notify: put a final output with finish reason "abort" in each request's queue.
         """
         core_ids: list[str] = []
@@ -211,7 +263,7 @@ class OutputProcessor:
             parent = state.parent
             if parent is not None and not any(c in self.request_states
                                               for c in parent.child_ids):
-                self.parent_requests.pop(parent.request_id, None)
+                self.parent_requests.pop(parent.internal_id, None)
 
     def propagate_error(self, error: BaseException) -> None:
         """Fail every tracked request with `error` (engine death); forget them all."""
@@ -306,4 +358,4 @@ class OutputProcessor:
         self._end_prefill(state)
         parent = state.parent
         if parent is not None and parent.all_finished:
-            self.parent_requests.pop(parent.request_id, None)
+            self.parent_requests.pop(parent.internal_id, None)

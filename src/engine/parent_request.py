@@ -1,7 +1,8 @@
 """Fan-out of an n > 1 request into n child requests, and the merge of their outputs.
 
-The frontend sends each child to the core as its own request (`"{i}_{parent_id}"`, with the
-seed advanced by i when one is set, as vLLM does); the output processor merges the children's
+The frontend sends each child to the core as its own request (`"{i}_{internal_id}"`, where the
+internal id is the frontend's unique id for the user's request, with the seed advanced by i
+when one is set, as vLLM does); the output processor merges the children's
 CompletionOutputs back into one RequestOutput per the parent's output kind.
 """
 
@@ -15,14 +16,18 @@ class ParentRequest:
     """The n children of one user request and their latest outputs.
 
     Args:
-        request_id: the user's request id.
+        request_id: the user's request id (echoed in outputs; not necessarily unique).
         params: the user's sampling parameters (n > 1).
+        internal_id: the frontend's unique id for this request (default: `request_id`); the
+            children's ids derive from it, so they never collide with another request's.
     """
 
-    def __init__(self, request_id: str, params: SamplingParams) -> None:
+    def __init__(self, request_id: str, params: SamplingParams,
+                 internal_id: str | None = None) -> None:
         self.request_id = request_id
+        self.internal_id = request_id if internal_id is None else internal_id
         self.params = params
-        self.child_ids = [f"{i}_{request_id}" for i in range(params.n)]
+        self.child_ids = [f"{i}_{self.internal_id}" for i in range(params.n)]
         self._latest: list[CompletionOutput | None] = [None] * params.n
         self._finished = [False] * params.n
 
