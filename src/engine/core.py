@@ -150,14 +150,25 @@ class EngineCore:
     # -- requests ------------------------------------------------------------------------------
 
     def add_request(self, request: EngineCoreRequest) -> None:
-        """Queue a request (one that can never run finishes with an ERROR output).
+        """Queue a request; one that can never run, or cannot be added (a duplicate id),
+        finishes with an ERROR output and the engine keeps serving.
 
         While paused or asleep, new requests are held and queued on `resume()` / `wake_up()`.
         """
         if self.pause_mode is not None or self.sleep_level:
             self._held.append(request)
             return
-        self.scheduler.add_request(request)
+        self._add_to_scheduler(request)
+
+    def _add_to_scheduler(self, request: EngineCoreRequest) -> None:
+        try:
+            self.scheduler.add_request(request)
+        except Exception as exc:
+            # Tied to this request alone (a duplicate id, a value the scheduler cannot take):
+            # it ends with finish reason ERROR and the engine keeps serving.
+            logger.warning("engine core %d: request %r refused: %s", self.engine_index,
+                           request.request_id, exc)
+            self.scheduler.reject_request(request, f"{type(exc).__name__}: {exc}")
 
     def abort_requests(self, request_ids: list[str]) -> None:
         """Abort requests (unknown ids are ignored); their blocks are freed now."""
@@ -169,8 +180,10 @@ class EngineCore:
 
     def has_work(self) -> bool:
         """True while there is something to schedule, in flight, or to report."""
-        return self._may_schedule() or bool(self.batch_queue) or (
-            self.scheduler.has_finished_requests())
+        # Finished ids for the workers count only while scheduling is allowed (they go out
+        # with the next step; `_may_schedule` covers them): paused, they wait, not spin.
+        return (self._may_schedule() or bool(self.batch_queue)
+                or self.scheduler.has_pending_outputs())
 
     # -- steps ---------------------------------------------------------------------------------
 
@@ -318,7 +331,13 @@ class EngineCore:
         if mode not in ("keep", "abort", "wait"):
             raise ValueError(f"pause mode: got {mode!r}, allowed: keep, abort, wait")
         if mode == "abort":
-            self.abort_requests(list(self.scheduler.requests))
+            # Their clients did not ask for it: each gets a final output (finish reason
+            # abort), sent with the next step's outputs.
+            self.scheduler.finish_requests(list(self.scheduler.requests), FinishReason.ABORT,
+                                           notify=True)
+            held, self._held = self._held, []
+            for request in held:
+                self.scheduler.reject_request(request, None)
         self.pause_mode = mode  # type: ignore[assignment]
 
     def resume(self) -> None:
@@ -331,7 +350,7 @@ class EngineCore:
             return
         held, self._held = self._held, []
         for request in held:
-            self.scheduler.add_request(request)
+            self._add_to_scheduler(request)
 
     def sleep(self, level: int = 1) -> None:
         """Free device memory: level 1 the KV cache, level 2 also the weights.

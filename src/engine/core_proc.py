@@ -33,6 +33,7 @@ import sys
 import threading
 import time
 import traceback
+from collections.abc import Callable
 from typing import Any
 
 import msgspec
@@ -47,6 +48,7 @@ from ringserve.engine.wire import (
     AbortRequests,
     AddRequest,
     CoreInput,
+    EngineCoreOutput,
     EngineCoreOutputs,
     FinishReason,
     HandshakeReply,
@@ -77,6 +79,40 @@ class _Shutdown(BaseException):
     """Raised in the main thread by SIGTERM (not an Exception: no fault handler catches it)."""
 
 
+class OutputThreadDied(BaseException):
+    """Raised in the main thread (SIGUSR1) when the output thread has died: the core can no
+    longer answer, so the process exits 1 (not an Exception: no fault handler catches it)."""
+
+
+def _interrupt_main() -> None:
+    os.kill(os.getpid(), signal.SIGUSR1)
+
+
+def _raise_output_died(signum: int, frame: Any) -> None:
+    raise OutputThreadDied("the engine core's output thread died")
+
+
+def undecodable_request(body: Any, error: Exception) -> EngineCoreOutput | None:
+    """The ERROR output for an input frame that did not decode but names a request.
+
+    An `AddRequest` travels as `["add", [request_id, ...]]`; when the frame is still msgpack
+    of that shape with a str id, the request is answered with finish reason ERROR (its
+    sender would otherwise wait forever).
+
+    Returns:
+        The output, or None when the frame names no request.
+    """
+    try:
+        raw = msgspec.msgpack.decode(body)
+    except (msgspec.MsgspecError, ValueError, TypeError, RecursionError):
+        return None
+    if not (isinstance(raw, list) and len(raw) == 2 and raw[0] == "add"
+            and isinstance(raw[1], list) and raw[1] and isinstance(raw[1][0], str)):
+        return None
+    return EngineCoreOutput(raw[1][0], [], finish_reason=FinishReason.ERROR,
+                            stop_reason=f"the engine core could not decode the request: {error}")
+
+
 class EngineCoreProc:
     """Runs one EngineCore behind zmq sockets.
 
@@ -86,10 +122,13 @@ class EngineCoreProc:
         input_addr: the frontend's ROUTER address.
         output_addr: the frontend's PULL address.
         executor_class: override the executor (the null-model benchmark).
+        on_output_failure: called from the output thread when it dies (default: interrupt
+            the main thread with SIGUSR1, which raises `OutputThreadDied` there).
     """
 
     def __init__(self, config: EngineConfig, engine_index: int, input_addr: str,
-                 output_addr: str, executor_class: type[Executor] | None = None) -> None:
+                 output_addr: str, executor_class: type[Executor] | None = None,
+                 on_output_failure: Callable[[], None] | None = None) -> None:
         self.config = config
         self.engine_index = engine_index
         self.ctx = zmq.Context(io_threads=1)
@@ -107,6 +146,9 @@ class EngineCoreProc:
             thread.start()
         self.core: EngineCore | None = None
         self._executor_class = executor_class
+        # Set (with the main thread interrupted) when the output thread dies.
+        self.output_error: BaseException | None = None
+        self._on_output_failure = on_output_failure or _interrupt_main
 
     # -- socket threads ------------------------------------------------------------------------
 
@@ -123,8 +165,16 @@ class EngineCoreProc:
                     message = decoder.decode([f.buffer for f in frames])
                 except (msgspec.MsgspecError, ValueError, TypeError) as exc:
                     # A frame that is not a CoreInput is the sender's bug, not a core fault.
-                    logger.warning("engine core %d: dropped a malformed input frame: %s",
-                                   self.engine_index, exc)
+                    # One that names a request ends that request: its sender waits for it.
+                    failed = undecodable_request(frames[0].buffer if frames else b"", exc)
+                    logger.warning("engine core %d: dropped a malformed input frame%s: %s",
+                                   self.engine_index,
+                                   f" (request {failed.request_id!r} failed)" if failed else "",
+                                   exc)
+                    if failed is not None:
+                        self.output_queue.put(EngineCoreOutputs(
+                            engine_index=self.engine_index, outputs=[failed],
+                            finished_requests=[failed.request_id]))
                     continue
                 self.input_queue.put(message)
         except zmq.ContextTerminated:
@@ -150,8 +200,16 @@ class EngineCoreProc:
                     timings["output"] = timings.get("output", 0.0) + clock() - start
         except zmq.ContextTerminated:
             pass
+        except BaseException as exc:
+            # Without this thread the core would live on and never answer again: an engine
+            # fault. The main thread is interrupted and the process exits 1; the frontend's
+            # process watcher sees that at once (and restarts the core with fault tolerance).
+            self.output_error = exc
+            logger.error("engine core %d: the output thread failed; exiting\n%s",
+                         self.engine_index, "".join(traceback.format_exception(exc)))
+            self._on_output_failure()
         finally:
-            sock.close()
+            sock.close(linger=0 if self.output_error is not None else None)
 
     # -- lifecycle -------------------------------------------------------------------------------
 
@@ -272,6 +330,7 @@ def main(argv: list[str] | None = None) -> int:
     ns = parser.parse_args(argv)
     install_lifeline(ns.lifeline_fd, ns.parent_pid, f"ringserve::EngineCore_DP{ns.engine_index}")
     signal.signal(signal.SIGTERM, _raise_shutdown)
+    signal.signal(signal.SIGUSR1, _raise_output_died)
     # Ctrl-C in a terminal reaches the whole process group; the parent decides when this core
     # stops (SIGTERM, or the lifeline), so a draining server keeps its engine.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -291,6 +350,8 @@ def main(argv: list[str] | None = None) -> int:
         status = FaultSentinel(proc).run() if proc.start_core() else 1
     except _Shutdown:
         status = 0
+    except OutputThreadDied:
+        status = 1  # nothing more can be sent; the frontend sees the exit
     except Exception as exc:
         traceback.print_exc()
         proc.fail_all(exc)

@@ -4,9 +4,10 @@ The output processor keeps one `IncrementalDetokenizer` per request and feeds it
 each engine step produced. Only new tokens are decoded, never the whole sequence again:
 
 * fast tokenizers (a `tokenizers.Tokenizer` backend) use `tokenizers.decoders.DecodeStream`,
-  prefilled with the prompt ids so the first output token decodes in context (a leading space
-  is kept); if the stream rejects the prompt as a prefix ("invalid prefix"), it is rebuilt from
-  the output tokens alone;
+  prefilled with the last prompt ids so the first output token decodes in context (a leading
+  space is kept); context that decodes to U+FFFD is left out (the stream would hand it back as
+  output text); if the stream rejects the prompt as a prefix ("invalid prefix"), it is rebuilt
+  from the output tokens alone;
 * other tokenizers use the prefix/read-offset method over `convert_ids_to_tokens` and
   `convert_tokens_to_string` (honouring `spaces_between_special_tokens`).
 
@@ -140,7 +141,8 @@ class FastIncrementalDetokenizer(IncrementalDetokenizer):
         self._backend = backend
         self._skip_special = params.skip_special_tokens
         self._stream_cls = DecodeStream
-        self._stream = DecodeStream(ids=list(prompt_token_ids), skip_special_tokens=self._skip_special)
+        context = _clean_context(backend, prompt_token_ids, self._skip_special)
+        self._stream = DecodeStream(ids=context, skip_special_tokens=self._skip_special)
         self._pending: list[int] = []  # tokens the stream has not turned into text yet
 
     def _flush(self) -> str:
@@ -171,12 +173,26 @@ class FastIncrementalDetokenizer(IncrementalDetokenizer):
         return None if chunk is None else str(chunk)
 
 
+# Prompt tokens kept as context for the first output tokens (enough for a leading space and
+# for multi-token characters).
+_CONTEXT = 6
+
+
+def _clean_context(backend: Any, prompt_token_ids: list[int], skip_special: bool) -> list[int]:
+    """The last few prompt tokens, shortened from the left until they decode without U+FFFD.
+
+    A context whose text holds a replacement character (a prompt given as token ids that ends,
+    or a window that starts, inside a multi-byte character) makes the decode stream hand that
+    context text back with the first output token: the output would start with prompt text.
+    """
+    context = list(prompt_token_ids[-_CONTEXT:])
+    while context and _REPLACEMENT in backend.decode(context, skip_special_tokens=skip_special):
+        del context[0]
+    return context
+
+
 class SlowIncrementalDetokenizer(IncrementalDetokenizer):
     """Prefix/read offsets over `convert_ids_to_tokens` + `convert_tokens_to_string`."""
-
-    # Prompt tokens kept as context for the first output tokens (enough for a leading space
-    # and for multi-token characters).
-    _CONTEXT = 6
 
     def __init__(self, tokenizer: Any, prompt_token_ids: list[int], params: SamplingParams) -> None:
         super().__init__(params)
@@ -184,7 +200,7 @@ class SlowIncrementalDetokenizer(IncrementalDetokenizer):
         self._skip_special = params.skip_special_tokens
         self._spaces = params.spaces_between_special_tokens
         self._special_ids = set(tokenizer.all_special_ids)
-        context = prompt_token_ids[-self._CONTEXT:]
+        context = prompt_token_ids[-_CONTEXT:]
         self._tokens: list[str] = self._to_tokens(context)
         self._prefix_offset = 0
         self._read_offset = len(self._tokens)

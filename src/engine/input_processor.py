@@ -13,7 +13,27 @@ from typing import Any, TypedDict
 
 from ringserve.config import ModelConfig
 from ringserve.engine.wire import EngineCoreRequest
+from ringserve.prompt_length import check_prompt_length
 from ringserve.sampling_params import INT64_MAX, INT64_MIN, SamplingParams
+from ringserve.typecheck import check_value
+
+_PROMPT_KEYS = frozenset(("prompt_token_ids", "prompt", "cache_salt"))
+
+
+def _check_request_args(request_id: object, params: object, priority: object,
+                        data_parallel_rank: object) -> None:
+    """The types the wire will insist on, checked before anything is sent (a value the
+    core cannot decode would otherwise be dropped there, and its request never answered).
+
+    Raises:
+        TypeError: naming the argument.
+    """
+    check_value(request_id, str, "request_id")
+    if not isinstance(params, SamplingParams):
+        raise TypeError(f"sampling_params: expected a SamplingParams, got "
+                        f"{type(params).__name__}")
+    check_value(priority, int, "priority")
+    check_value(data_parallel_rank, int | None, "data_parallel_rank")
 
 
 class TokensPrompt(TypedDict, total=False):
@@ -52,11 +72,14 @@ class InputProcessor:
         """Build the core request; returns it with the prompt text (None for token prompts).
 
         Raises:
+            TypeError: an argument or prompt field of the wrong type (a non-str request id
+                or cache salt, a float or bool among the token ids, ...), naming it.
             ValueError: bad sampling parameters, an empty or over-long prompt, token ids
                 outside the vocabulary, a text prompt without a tokenizer, or a priority
                 outside int64.
         """
         cfg = self.model_config
+        _check_request_args(request_id, params, priority, data_parallel_rank)
         if not INT64_MIN <= priority <= INT64_MAX:
             # It travels as a msgpack int64: a larger one would fail to encode after admission.
             raise ValueError(f"priority: got {priority}, allowed: an integer in [-2**63, 2**63)")
@@ -82,29 +105,27 @@ class InputProcessor:
         if not isinstance(prompt, dict):
             raise ValueError(f"prompt: expected a string or a dict with prompt_token_ids, "
                              f"got {type(prompt).__name__}")
+        unknown = set(prompt) - _PROMPT_KEYS
+        if unknown:
+            raise ValueError(f"prompt: unknown keys {sorted(map(str, unknown))}; "
+                             f"allowed: {sorted(_PROMPT_KEYS)}")
+        cache_salt = check_value(prompt.get("cache_salt"), str | None, "cache_salt")
         if "prompt_token_ids" in prompt:
-            ids = prompt["prompt_token_ids"]
-            if not isinstance(ids, list) or not all(isinstance(i, int) for i in ids):
-                raise ValueError("prompt_token_ids: expected a list of integers")
-            return prompt.get("prompt"), list(ids), prompt.get("cache_salt")
+            ids = check_value(prompt["prompt_token_ids"], list[int], "prompt_token_ids")
+            text = check_value(prompt.get("prompt"), str | None, "prompt")
+            return text, list(ids), cache_salt
         if "prompt" in prompt:
             text, ids, _ = self._tokenize(prompt["prompt"])
-            return text, ids, prompt.get("cache_salt")
+            return text, ids, cache_salt
         raise ValueError("prompt: a dict prompt needs 'prompt_token_ids' or 'prompt'")
 
     def _check_prompt(self, token_ids: list[int], params: SamplingParams) -> None:
         cfg = self.model_config
-        if not token_ids:
-            raise ValueError("prompt: empty prompts are not allowed (no tokens to start from)")
+        check_prompt_length(len(token_ids), cfg.max_model_len)
         bad = [t for t in token_ids if not 0 <= t < cfg.vocab_size]
         if bad:
             raise ValueError(f"prompt_token_ids: {bad[:5]} outside the vocabulary "
                              f"[0, {cfg.vocab_size})")
-        if len(token_ids) >= cfg.max_model_len:
-            raise ValueError(
-                f"prompt: {len(token_ids)} tokens, but max_model_len is {cfg.max_model_len} "
-                "(the prompt plus at least one output token must fit)"
-            )
         if params.min_tokens > cfg.max_model_len - len(token_ids):
             raise ValueError(
                 f"min_tokens: {params.min_tokens} cannot fit after a {len(token_ids)}-token prompt "

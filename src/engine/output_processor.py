@@ -10,7 +10,6 @@ their `ParentRequest`. Pure Python over the wire structs: no trio, zmq or torch.
 from __future__ import annotations
 
 import itertools
-import secrets
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -158,9 +157,10 @@ class OutputProcessor:
         self.request_states: dict[str, RequestState] = {}
         # Keyed by the parent's internal id (its handle).
         self.parent_requests: dict[str, ParentRequest] = {}
-        # Internal ids are `{user id}#{token}{counter}`: the counter makes them unique in this
-        # frontend, the random token across frontends sharing a core.
-        self._id_token = secrets.token_hex(4)
+        # Internal ids are `{user id}#{counter}` (children: `{i}_` before it): everything after
+        # the last '#' is this request's own counter value, so no two collide in this frontend
+        # whatever the user ids are. Deterministic on purpose (runs repeat exactly). Frontends
+        # that share a core must also fold in their client index (scale-out).
         self._id_counter = itertools.count()
         # Prompt tokens of tracked requests that have not produced a token yet.
         self.num_prefill_tokens = 0
@@ -181,7 +181,7 @@ class OutputProcessor:
             The request's handle (for `abort_requests`) and the core requests to send.
         """
         external_id = request.request_id
-        handle = f"{external_id}#{self._id_token}{next(self._id_counter)}"
+        handle = f"{external_id}#{next(self._id_counter)}"
         params = request.sampling_params
         if params.n == 1:
             core_request = msgspec.structs.replace(request, request_id=handle)

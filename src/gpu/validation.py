@@ -1,8 +1,10 @@
-"""Per-request input checks the worker can make before a request touches the batch.
+"""Per-request input checks the worker makes before a request touches the batch.
 
-The engine core may call `validate_request` before scheduling (it raises a clear ValueError);
-the model runner calls it again for every new request and fails only that request when it
-does not pass, so one bad request never takes the batch or the worker down.
+The frontend and the scheduler's admission have already refused bad requests by the same
+rules (the prompt length is `ringserve.prompt_length`'s everywhere); this is the worker's own
+line of defence against a peer that skipped them. The model runner calls `validate_request`
+for every new request and fails only that request when it does not pass, so one bad request
+never takes the batch or the worker down.
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from __future__ import annotations
 import numpy as np
 
 from ringserve.config import ModelConfig
+from ringserve.prompt_length import check_prompt_length
 from ringserve.sampling_params import SamplingParams
 
 
@@ -19,16 +22,11 @@ def validate_request(
     """Check a request against the model's limits.
 
     Raises:
-        ValueError: an empty or too long prompt, a token id outside the vocabulary, or
-            sampling parameters outside the model's limits (too many logprobs, ...).
+        ValueError: an empty prompt or one that leaves no room for a generated token
+            (`ringserve.prompt_length`), a token id outside the vocabulary, or sampling
+            parameters outside the model's limits (too many logprobs, ...).
     """
-    n = len(prompt_token_ids)
-    if n == 0:
-        raise ValueError("prompt_token_ids: got an empty prompt, allowed: at least one token")
-    if n > config.max_model_len:
-        raise ValueError(
-            f"prompt_token_ids: got {n} tokens, allowed: at most max_model_len={config.max_model_len}"
-        )
+    check_prompt_length(len(prompt_token_ids), config.max_model_len)
     ids = np.asarray(prompt_token_ids, dtype=np.int64)
     bad = ids[(ids < 0) | (ids >= config.vocab_size)]
     if bad.size:

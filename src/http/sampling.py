@@ -13,6 +13,7 @@ from typing import TypeVar
 from ringserve.config import ModelConfig
 from ringserve.http.errors import APIError, bad_request
 from ringserve.http.protocol import SamplingRequest
+from ringserve.prompt_length import max_prompt_len
 from ringserve.sampling_params import RequestOutputKind, SamplingParams
 
 T = TypeVar("T")
@@ -83,19 +84,21 @@ def build_params(req: SamplingRequest, model_config: ModelConfig, *, max_tokens:
 
 
 def resolve_max_tokens(requested: int | None, num_prompt_tokens: int, max_model_len: int) -> int:
-    """The output-token cap for one prompt.
+    """The output-token cap for one prompt; the prompt itself must pass
+    `ringserve.prompt_length`'s rule (at most `max_model_len - 1` tokens).
 
     Raises:
         APIError: 400 when the prompt (plus the requested output) does not fit.
     """
     if requested is None:
-        if num_prompt_tokens >= max_model_len:
+        if num_prompt_tokens > max_prompt_len(max_model_len):
             raise APIError(
                 400,
                 f"This model's maximum context length is {max_model_len} tokens. However, "
                 f"your request has {num_prompt_tokens} input tokens. Please reduce the length "
                 "of the input messages.")
         return max_model_len - num_prompt_tokens
+    # requested >= 1 (SamplingParams), so this also holds the prompt to max_prompt_len.
     if num_prompt_tokens + requested > max_model_len:
         raise APIError(
             400,

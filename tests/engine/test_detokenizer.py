@@ -145,3 +145,23 @@ def test_find_stop_string_searches_only_new_text_plus_overlap() -> None:
     assert find_stop_string("abcSTOPxyz", 6, ["STOP"], False) == ("STOP", 3)
     assert find_stop_string("abcSTOP", 1, ["STOP"], True) == ("STOP", 7)
     assert find_stop_string("abc", 2, [], False) is None
+
+
+@pytest.mark.parametrize("params", [FAST, SLOW], ids=["fast", "slow"])
+def test_prompt_ids_that_decode_to_replacement_chars_stay_out_of_the_output(
+        tok: Any, params: SamplingParams) -> None:
+    """A token-id prompt ending (or a context window starting) inside a multi-byte character
+    decodes to U+FFFD; the output must still hold only the generated text (issue 14)."""
+    partial = [i for i in range(tok.vocab_size) if "\ufffd" in tok.decode([i])][:3]
+    out_ids = tok("你好 👋 ok", add_special_tokens=False).input_ids
+    expected = tok.decode(out_ids)
+    for prompt in ([partial[0]], partial, [*tok("Say:").input_ids, *partial],
+                   [*partial, *tok("Say: a b c d e f g").input_ids]):
+        d = IncrementalDetokenizer.for_request(tok, prompt, params)
+        deltas = []
+        for token in out_ids:
+            d.update([token], False)
+            deltas.append(d.text_delta(False))
+        deltas.append(d.text_delta(True))
+        assert "".join(deltas).strip() == expected.strip(), prompt
+        assert "\ufffd" not in "".join(deltas)

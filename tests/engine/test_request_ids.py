@@ -145,7 +145,7 @@ def test_offline_bad_types_fail_at_once(tiny_llama_dir: Path) -> None:
         with pytest.raises(TypeError, match=r"prompt_token_ids\[0\]"):
             llm.generate([{"prompt_token_ids": [5.0]}], SamplingParams(max_tokens=2),
                          use_tqdm=False)
-        with pytest.raises(TypeError, match="SamplingParams.max_tokens"):
+        with pytest.raises(TypeError, match=r"SamplingParams\.max_tokens"):
             llm.generate(["hi"], SamplingParams(max_tokens=100.0), use_tqdm=False)  # type: ignore[arg-type]
         engine = llm.llm_engine
         with pytest.raises(TypeError, match="request_id"):

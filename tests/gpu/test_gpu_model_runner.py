@@ -55,6 +55,11 @@ def test_validate_request_messages(runner: ModelRunner) -> None:
         validate_request([], GREEDY, runner.model_config)
     with pytest.raises(ValueError, match="outside the vocabulary"):
         validate_request([-1], GREEDY, runner.model_config)
+    # The rule every layer shares (ringserve.prompt_length): room for one generated token.
+    longest = runner.model_config.max_model_len - 1
+    validate_request([5] * longest, GREEDY, runner.model_config)
+    with pytest.raises(ValueError, match=f"at most {longest} "):
+        validate_request([5] * (longest + 1), GREEDY, runner.model_config)
 
 
 def test_nan_logits_fail_one_request(runner: ModelRunner, monkeypatch: pytest.MonkeyPatch) -> None:

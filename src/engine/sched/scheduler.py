@@ -149,6 +149,14 @@ class Scheduler(OutputMixin):
         """
         self.limits.check(len(request.prompt_token_ids))
 
+    def reject_request(self, request: EngineCoreRequest, error: str | None) -> None:
+        """End a request that was never queued with a final output: ERROR carrying `error`
+        (it could not be added), or ABORT when `error` is None (it was held while paused);
+        a request in flight under the same id is left alone."""
+        reason = FinishReason.ABORT if error is None else FinishReason.ERROR
+        output = EngineCoreOutput(request.request_id, [], finish_reason=reason, stop_reason=error)
+        self._pending_outputs.append((request.client_index, output))
+
     def add_request(self, request: EngineCoreRequest) -> None:
         """Queue a request; one that can never be served finishes with an ERROR output.
 
@@ -461,6 +469,10 @@ class Scheduler(OutputMixin):
     def has_finished_requests(self) -> bool:
         """True when workers must still be told about finished requests."""
         return bool(self._finished_req_ids)
+
+    def has_pending_outputs(self) -> bool:
+        """True when outputs made between steps (errors, notified aborts) wait to be sent."""
+        return bool(self._pending_outputs)
 
     def has_requests(self) -> bool:
         """True when the engine core should step: unfinished work or undelivered results."""

@@ -8,8 +8,9 @@ other half of a step. The engine core calls `update_from_output()` with each ste
 Stop checks run here, in the engine, on token ids: EOS (unless ignore_eos), stop_token_ids
 (the id becomes the stop_reason), max_tokens and max_model_len (LENGTH; `Request.max_tokens`
 is already capped by max_model_len), none while fewer than min_tokens were generated. When one
-token is both a stop token and the max_tokens-th token, STOP wins. Stop strings are the
-frontend's job.
+token is both a stop token and the max_tokens-th token, STOP wins. `check_stop` is the one
+place this rule lives, for a decode's single token and a multi-token step alike. Stop
+strings are the frontend's job.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from ringserve.engine.wire import (
 )
 from ringserve.gpu.wire import ModelRunnerOutput, SchedulerOutput
 
-__all__ = ["OutputMixin"]
+__all__ = ["OutputMixin", "append_tokens", "check_stop"]
 
 _RUNNING = RequestStatus.RUNNING
 _STOPPED = RequestStatus.FINISHED_STOPPED
@@ -84,7 +85,6 @@ class OutputMixin(ABC):
         outputs: dict[int, list[EngineCoreOutput]] = {}
         logprobs = model_runner_output.logprobs
         prompt_logprobs = model_runner_output.prompt_logprobs
-        append_tokens = self._append_tokens
         any_finished = False
         offset = 0
         last_client = -1
@@ -100,23 +100,19 @@ class OutputMixin(ABC):
                 continue
             new_prompt_logprobs = prompt_logprobs.get(request_id) if prompt_logprobs else None
             if len(sampled) == 1:
-                # The decode fast path: `_append_tokens` inlined for one token.
-                placeholders = req.num_output_placeholders - 1
-                req.num_output_placeholders = placeholders if placeholders > 0 else 0
-                token = sampled[0]
+                # A decode, the hot case: `append_tokens` without its loop, and `check_stop`
+                # called only for a token that can end the request (a stop id, or the
+                # max_tokens-th output): the call costs ~3% of a 256-decode step.
+                if req.num_output_placeholders:
+                    req.num_output_placeholders -= 1
                 tokens = req.all_token_ids
+                token = sampled[0]
                 tokens.append(token)
                 num_out = len(tokens) - req.num_prompt_tokens
-                if token in req.stop_ids and num_out >= req.min_tokens:
-                    req.status = _STOPPED
-                    if token not in req.eos_ids:
-                        req.stop_reason = token
-                elif num_out >= req.max_tokens:
-                    req.status = _LENGTH
+                if token in req.stop_ids or num_out >= req.max_tokens:
+                    check_stop(req, token, num_out)
                 new_tokens = sampled
             elif sampled:
-                placeholders = req.num_output_placeholders - len(sampled)
-                req.num_output_placeholders = placeholders if placeholders > 0 else 0
                 new_tokens = append_tokens(req, sampled)
             elif new_prompt_logprobs is None:
                 continue  # a prefill chunk: nothing to report yet
@@ -174,25 +170,6 @@ class OutputMixin(ABC):
             req.error = f"request {request_id!r} failed in the worker: {message}"
             self.finish_requests(request_id, FinishReason.ERROR, notify=True)
 
-    def _append_tokens(self, req: Request, sampled: list[int]) -> list[int]:
-        """Append sampled tokens up to the first stop; returns the tokens kept."""
-        tokens = req.all_token_ids
-        stop_ids = req.stop_ids
-        num_prompt = req.num_prompt_tokens
-        for index, token in enumerate(sampled):
-            tokens.append(token)
-            num_out = len(tokens) - num_prompt
-            if token in stop_ids and num_out >= req.min_tokens:
-                req.status = _STOPPED
-                if token not in req.eos_ids:
-                    req.stop_reason = token
-            elif num_out >= req.max_tokens:
-                req.status = _LENGTH
-            else:
-                continue
-            return sampled if index == len(sampled) - 1 else sampled[: index + 1]
-        return sampled
-
     def take_pending_outputs(self) -> dict[int, EngineCoreOutputs]:
         """Outputs produced between steps (admission errors, notified aborts), per client."""
         return self._package({})
@@ -219,12 +196,58 @@ class OutputMixin(ABC):
             )
             for client, outs in outputs.items()
         }
+        first = next(iter(result.values()), None)
         if self.log_stats:
-            first = next(iter(result.values()), None)
             if first is None:
                 first = result[0] = EngineCoreOutputs(engine_index=self.engine_index, timestamp=now)
             first.scheduler_stats = self.make_stats()
+        elif first is not None:
+            # Stats off: only the queue lengths least-loaded DP routing needs, on batches sent
+            # anyway (requests holds exactly the running and the waiting ones).
+            running = len(self.running)
+            first.scheduler_stats = SchedulerStats(num_running_reqs=running,
+                                                   num_waiting_reqs=len(self.requests) - running)
         return result
+
+
+def check_stop(req: Request, token: int, num_out: int) -> bool:
+    """Whether `token`, the request's `num_out`-th output token, ends it; if so, its final
+    status (and stop_reason) is set.
+
+    The one copy of the stop / length rule (see the module docstring): a token in
+    `req.stop_ids` ends the request as STOPPED once `req.min_tokens` outputs exist (an EOS id
+    without a stop_reason, any other stop id as the stop_reason); otherwise reaching
+    `req.max_tokens` outputs ends it as LENGTH. Nothing else ends a request here, so a
+    caller may skip the call for a token outside `req.stop_ids` below `req.max_tokens`.
+    """
+    if token in req.stop_ids and num_out >= req.min_tokens:
+        req.status = _STOPPED
+        if token not in req.eos_ids:
+            req.stop_reason = token
+        return True
+    if num_out >= req.max_tokens:
+        req.status = _LENGTH
+        return True
+    return False
+
+
+def append_tokens(req: Request, sampled: list[int]) -> list[int]:
+    """Append a multi-token step's sampled tokens up to the first that ends the request
+    (`check_stop`), consuming the step's output placeholders (async scheduling).
+
+    Returns:
+        the tokens kept: `sampled` itself, or the prefix up to the one that ended it.
+    """
+    placeholders = req.num_output_placeholders - len(sampled)
+    req.num_output_placeholders = placeholders if placeholders > 0 else 0
+    tokens = req.all_token_ids
+    num_out = len(tokens) - req.num_prompt_tokens
+    for index, token in enumerate(sampled):
+        tokens.append(token)
+        num_out += 1
+        if check_stop(req, token, num_out):
+            return sampled if index == len(sampled) - 1 else sampled[: index + 1]
+    return sampled
 
 
 def _slice_logprobs(logprobs: Logprobs, start: int, stop: int) -> Logprobs:

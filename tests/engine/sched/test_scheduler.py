@@ -4,6 +4,7 @@ bad input and stats (the scenarios of vLLM's tests/v1/core/test_scheduler.py).""
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import Any, NamedTuple
 
 import numpy as np
 import pytest
@@ -320,12 +321,12 @@ def test_prompt_too_long_is_rejected_alone() -> None:
     sched.add_request(make_request("ok1", 5, max_tokens=2))
     sched.add_request(make_request("long", 32))
     sched.add_request(make_request("ok2", 5, max_tokens=2))
-    with pytest.raises(ValueError, match="max_model_len=32"):
+    with pytest.raises(ValueError, match="max_model_len is 32"):
         sched.check_request(make_request("long", 32))
     d = Driver(sched)
     d.run()
     out = d.finished["long"]
-    assert out.finish_reason == FinishReason.ERROR and "max_model_len=32" in str(out.stop_reason)
+    assert out.finish_reason == FinishReason.ERROR and "max_model_len is 32" in str(out.stop_reason)
     assert d.reason("ok1") == d.reason("ok2") == FinishReason.LENGTH
 
 
@@ -441,3 +442,55 @@ def test_worker_request_error_ends_only_that_request() -> None:
     assert by_id["good"].finish_reason is None and by_id["good"].new_token_ids == [5]
     assert list(sched.requests) == ["good"]
     sched.finish_requests("good")
+
+
+# -- one stop / length rule for one-token and multi-token steps --------------------------------
+
+
+class StopCase(NamedTuple):
+    sampling: dict[str, Any]
+    max_model_len: int
+    stream: list[int]  # what the worker samples
+    kept: list[int]  # what the client gets
+    reason: FinishReason
+    stop_reason: int | None = None
+
+
+STOP_CASES = [
+    StopCase({}, 1024, [5, 6, EOS, 7], [5, 6, EOS], FinishReason.STOP),
+    StopCase({"min_tokens": 4}, 1024, [5, EOS, 6, EOS, 9], [5, EOS, 6, EOS], FinishReason.STOP),
+    StopCase({"stop_token_ids": [9]}, 1024, [5, 9, 6], [5, 9], FinishReason.STOP, 9),
+    StopCase({"max_tokens": 3}, 1024, [5, 6, 7, 8], [5, 6, 7], FinishReason.LENGTH),
+    StopCase({"max_tokens": 3, "stop_token_ids": [9]}, 1024, [5, 6, 9, 8], [5, 6, 9],
+             FinishReason.STOP, 9),
+    StopCase({"max_tokens": 2, "ignore_eos": True}, 1024, [EOS, EOS, EOS], [EOS, EOS],
+             FinishReason.LENGTH),
+    # max_model_len caps the output: a 10-token prompt in 14 leaves room for 4.
+    StopCase({"max_tokens": None}, 14, [5, 6, 7, 8, 9], [5, 6, 7, 8], FinishReason.LENGTH),
+]
+
+
+def _feed(case: StopCase, chunk: int) -> tuple[list[int], FinishReason | None, int | None]:
+    """Run one request on the case's stream, `chunk` sampled tokens per step."""
+    sched = make_scheduler(max_model_len=case.max_model_len)
+    sched.add_request(make_request("r", 10, **{"max_tokens": 16, **case.sampling}))
+    so = sched.schedule()
+    got: list[int] = []
+    reason = stop_reason = None
+    for start in range(0, len(case.stream), chunk):
+        mro = ModelRunnerOutput(step_id=so.step_id, req_ids=["r"],
+                                sampled_token_ids=[case.stream[start:start + chunk]])
+        for batch in sched.update_from_output(so, mro).values():
+            for out in batch.outputs:
+                got += out.new_token_ids
+                if out.finish_reason is not None:
+                    reason = out.finish_reason
+                    stop_reason = out.stop_reason if isinstance(out.stop_reason, int) else None
+    assert not sched.requests  # every case ends the request
+    return got, reason, stop_reason
+
+
+@pytest.mark.parametrize("case", STOP_CASES)
+def test_one_token_and_multi_token_steps_stop_alike(case: StopCase) -> None:
+    for chunk in (1, 2, len(case.stream)):
+        assert _feed(case, chunk) == (case.kept, case.reason, case.stop_reason), f"chunk={chunk}"
