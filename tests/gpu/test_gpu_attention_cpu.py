@@ -122,3 +122,18 @@ def test_a_failing_compiler_falls_back_and_leaves_no_temp_file(
         assert cpu_native.load_kernel() is None
     assert "failed: error: no" in caplog.text
     assert list((tmp_path / "home" / "kernels").iterdir()) == []
+
+
+def test_auto_on_cuda_says_once_that_triton_is_unmeasured(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    from ringserve.gpu.attention import backend
+
+    monkeypatch.setattr(backend, "_warned_triton", False)
+    monkeypatch.delenv("RINGSERVE_ATTENTION_BACKEND", raising=False)
+    with caplog.at_level(logging.WARNING):
+        for _ in range(3):  # one backend per layer: one line per process
+            assert select_backend(torch.device("cuda")).name == "triton"
+        assert select_backend(torch.device("cuda"), "triton").name == "triton"
+    lines = [r.message for r in caplog.records if "not yet been run" in r.message]
+    assert len(lines) == 1 and "TRITON_INTERPRET" in lines[0]

@@ -9,6 +9,7 @@ The attention block of each model (`ringserve.gpu.models.llama`) holds one backe
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from typing import Generic, Literal, Protocol, TypeVar, cast
 
@@ -17,6 +18,8 @@ import torch
 from ringserve import envs
 from ringserve.gpu.attention import cpu_native, torch_ref
 from ringserve.gpu.attention.metadata import AttentionMetadata
+
+logger = logging.getLogger(__name__)
 
 BackendName = Literal["auto", "torch", "cpu", "triton"]
 P = TypeVar("P")
@@ -152,6 +155,20 @@ class TritonAttentionBackend:
         return paged_attention(query, kv_cache, meta, scale)
 
 
+_warned_triton = False
+
+
+def _warn_unmeasured_triton() -> None:
+    """Say once per process that `auto` picked kernels never run on a GPU yet (checked only
+    under the Triton interpreter) until the GPU bring-up measures them."""
+    global _warned_triton
+    if not _warned_triton:
+        _warned_triton = True
+        logger.warning("attention backend auto -> triton on CUDA: these Triton kernels are "
+                       "checked only under TRITON_INTERPRET=1 and have not yet been run or "
+                       "timed on a GPU; RINGSERVE_ATTENTION_BACKEND=torch uses the reference")
+
+
 def select_backend(device: torch.device, choice: BackendName = "auto") -> AttentionBackend:
     """The backend for `device`, unless `choice` (or, when it is "auto",
     RINGSERVE_ATTENTION_BACKEND) says which: Triton on CUDA; on CPU the C kernel when it can
@@ -166,6 +183,7 @@ def select_backend(device: torch.device, choice: BackendName = "auto") -> Attent
     if choice == "auto":
         if device.type == "cuda":
             choice = "triton"
+            _warn_unmeasured_triton()
         else:
             choice = "cpu" if device.type == "cpu" and cpu_native.load_kernel() else "torch"
     if choice == "torch":
