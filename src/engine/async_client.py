@@ -7,8 +7,9 @@ for their handshakes off the event loop. zmq sockets are driven from trio withou
 socket's FD is edge-triggered, so a task retries its non-blocking call and, on EAGAIN, checks
 `zmq.EVENTS` before parking in `trio.lowlevel.wait_readable(sock.FD)`. The output socket is
 read by one task only (a frame that does not decode as `EngineCoreOutputs` is logged and
-dropped); sends (from any task) are single non-blocking calls serialized by a lock
-when they must wait. A core's death is seen at once through a pidfd.
+dropped). A send that meets a full pipe waits in its core's queue (`core_sender.py`), sent in
+order before the core's next message; aborts are never dropped (an abort for a core being
+restarted is moot). A core's death is seen at once through a pidfd.
 
 Each core's fault-tolerance state (`fault_tolerance.EngineFaultState`) follows the
 `FaultStatus` messages it publishes: an UNHEALTHY core is not dead (the client stays up and
@@ -37,6 +38,7 @@ import zmq
 
 from ringserve import envs
 from ringserve.config import EngineConfig
+from ringserve.engine.core_sender import CoreSender, Queued, socket_events, socket_fd
 from ringserve.engine.errors import (
     RECOVERING_MESSAGE,
     EngineDeadError,
@@ -56,20 +58,10 @@ from ringserve.engine.wire import (
     HandshakeReply,
     UtilityCall,
 )
-from ringserve.serial import MsgpackDecoder, MsgpackEncoder
+from ringserve.serial import MsgpackDecoder
 from ringserve.shm import cleanup_stale
 
 logger = logging.getLogger(__name__)
-
-
-def _events(sock: zmq.Socket[Any]) -> int:
-    """The socket's pending events; reading them also lets zmq process its commands."""
-    return int(sock.getsockopt(zmq.EVENTS))
-
-
-def _fd(sock: zmq.Socket[Any]) -> int:
-    """The socket's edge-triggered notification FD."""
-    return int(sock.getsockopt(zmq.FD))
 
 
 class AsyncMPClient:
@@ -101,10 +93,9 @@ class AsyncMPClient:
         self.input_sock.bind(self.input_addr)
         self.output_sock.bind(self.output_addr)
         self._executor = executor
-        self._encoder = MsgpackEncoder()
+        self._sender = CoreSender(self.input_sock, self.num_engines, self._send_error)
         self._decoder = MsgpackDecoder(EngineCoreOutputs)
         self._handshake_decoder = MsgpackDecoder(HandshakeReply)
-        self._send_lock = trio.Lock()
         self._call_ids = itertools.count(1)
         self._calls: dict[int, tuple[trio.Event, list[Any]]] = {}
         self.processes: list[CoreProcess] = []
@@ -181,7 +172,8 @@ class AsyncMPClient:
             raise EngineRecoveringError(f"{RECOVERING_MESSAGE} ({faults})")
 
     def send_nowait(self, engine: int, message: Any) -> bool:
-        """One non-blocking send; False when the socket would block (HWM reached).
+        """One non-blocking send (after the core's queue); False, queuing nothing, when the
+        core's pipe is full.
 
         Raises:
             EngineDeadError: the engine is dead.
@@ -194,21 +186,22 @@ class AsyncMPClient:
                 return True
             raise EngineRecoveringError(f"{RECOVERING_MESSAGE} (engine core {engine} is "
                                         "being restarted)")
-        frames = [f"core{engine}".encode(), *self._encoder.encode(message)]
         try:
-            self.input_sock.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
-        except zmq.Again:
-            return False
+            return self._sender.try_send(engine, message)
         except zmq.ZMQError as exc:
-            if exc.errno == zmq.EHOSTUNREACH and self._restarts_cores:
-                # The core's process is gone and its watcher is about to restart it.
-                if isinstance(message, AbortRequests):
-                    return True
-                raise EngineRecoveringError(f"{RECOVERING_MESSAGE} (engine core {engine} "
-                                            "is unreachable)") from exc
-            self.mark_dead(f"cannot reach engine core {engine}: {exc}")
-            self._check_alive()
-        return True
+            error = self._send_error(engine, exc)
+            if isinstance(message, AbortRequests) and isinstance(error, EngineRecoveringError):
+                return True  # the core is gone: its requests end with it
+            raise error from exc
+
+    def _send_error(self, engine: int, exc: zmq.ZMQError) -> BaseException:
+        """What a failed send to `engine` means (the engine is dead unless it restarts)."""
+        if exc.errno == zmq.EHOSTUNREACH and self._restarts_cores:
+            # The core's process is gone and its watcher is about to restart it.
+            return EngineRecoveringError(f"{RECOVERING_MESSAGE} (engine core {engine} is "
+                                         "unreachable)")
+        self.mark_dead(f"cannot reach engine core {engine}: {exc}")
+        return EngineDeadError(self.dead or str(exc))
 
     @property
     def _restarts_cores(self) -> bool:
@@ -216,37 +209,52 @@ class AsyncMPClient:
         return self.config.fault_tolerance_config.enable_fault_tolerance
 
     async def send(self, engine: int, message: Any) -> None:
-        """Send, waiting for room when the socket is full."""
-        while not self.send_nowait(engine, message):
-            async with self._send_lock:
-                while not _events(self.input_sock) & zmq.POLLOUT:
-                    await trio.lowlevel.wait_writable(_fd(self.input_sock))
+        """Send, waiting (parked, never polling) while the core's pipe is full.
+
+        Raises:
+            EngineDeadError, EngineRecoveringError: as `send_nowait`, also while waiting.
+        """
+        if self.send_nowait(engine, message):
+            return
+        item = self._sender.post(engine, message)
+        await self._sender.wait(item)
+        if item.error is not None:
+            raise item.error
 
     async def add_request(self, request: EngineCoreRequest) -> None:
         """Route and send a new request."""
         await self.send(self.choose_engine(request), AddRequest(request))
 
     def abort_requests_nowait(self, request_ids: list[str]) -> bool:
-        """Send aborts without waiting (usable from cancelled code); False if it would block."""
+        """Send aborts without waiting (usable from cancelled code); False when some met a full
+        pipe: those are queued, never dropped, and go out before the core's next message and
+        as soon as its pipe has room."""
+        return not self._post_aborts(request_ids)
+
+    async def abort_requests(self, request_ids: list[str]) -> None:
+        """Send aborts to the owning cores, waiting while a pipe is full (cancelled, the
+        aborts still go out)."""
+        for item in self._post_aborts(request_ids):
+            await self._sender.wait(item)
+
+    def _post_aborts(self, request_ids: list[str]) -> list[Queued]:
+        """Queue aborts for their owning cores (all cores for an unknown owner) and send what
+        the pipes take now; returns the ones still queued."""
         if not request_ids or self.dead is not None:
-            return True
+            return []
         by_engine: dict[int | None, list[str]] = {}
         for rid in request_ids:
             by_engine.setdefault(self.engine_of(rid), []).append(rid)
             self.request_finished(rid)
-        sent = True
+        queued: list[Queued] = []
         for engine, ids in by_engine.items():
-            targets = range(self.num_engines) if engine is None else (engine,)
-            for target in targets:
-                sent = self.send_nowait(target, AbortRequests(ids)) and sent
-        return sent
-
-    async def abort_requests(self, request_ids: list[str]) -> None:
-        """Send aborts to the owning cores."""
-        if not self.abort_requests_nowait(request_ids):
-            await trio.lowlevel.checkpoint()
-            for engine in range(self.num_engines):
-                await self.send(engine, AbortRequests(request_ids))
+            for target in range(self.num_engines) if engine is None else (engine,):
+                if target in self.restarting:
+                    continue  # moot: the core's requests ended with its process
+                item = self._sender.post(target, AbortRequests(ids), keep=True)
+                if not item.done.is_set():
+                    queued.append(item)
+        return queued
 
     async def call_utility(self, method: str, *args: Any) -> list[Any]:
         """Call a utility on every core; results in core order.
@@ -288,8 +296,8 @@ class AsyncMPClient:
             try:
                 frames = sock.recv_multipart(flags=zmq.NOBLOCK, copy=False)
             except zmq.Again:
-                if not _events(sock) & zmq.POLLIN:
-                    await trio.lowlevel.wait_readable(_fd(sock))
+                if not socket_events(sock) & zmq.POLLIN:
+                    await trio.lowlevel.wait_readable(socket_fd(sock))
                 continue
             buffers = [f.buffer for f in frames]
             try:
@@ -359,6 +367,7 @@ class AsyncMPClient:
             on_core_death: called at once with the core's index and what happened to it.
         """
         async with trio.open_nursery() as nursery:
+            nursery.start_soon(self._sender.run)  # queued aborts go out once there is room
             for index in range(self.num_engines):
                 nursery.start_soon(self._watch_core, index, on_core_death, nursery.cancel_scope)
 
@@ -410,6 +419,7 @@ class AsyncMPClient:
         state.status = str(EngineStatus.UNHEALTHY)
         state.fault_info = fault
         state.ft_error = None
+        self._sender.fail(index, EngineRecoveringError(f"{RECOVERING_MESSAGE} ({fault})"))
         for event, results in self._calls.values():
             if not any(engine == index for engine, _failure, _value in results):
                 results.append((index, fault, None))
@@ -461,6 +471,7 @@ class AsyncMPClient:
             self.dead = reason
         for state in self.fault_states:
             state.mark_dead(self.dead)
+        self._sender.close(EngineDeadError(self.dead))
         for event, _results in self._calls.values():
             event.set()
 

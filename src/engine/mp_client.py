@@ -6,7 +6,10 @@ its death is noticed at once. `SyncMPClient` (for `LLMEngine` and `LLM`) binds a
 requests and a PULL for outputs on ipc:// paths in a private temporary directory, waits for the
 core's handshake (raising `EngineStartupError` with the core's own reason), and then sends
 `CoreInput`s and receives `EngineCoreOutputs` (zero-copy frames; a frame that does not decode
-is logged and dropped). No pickle anywhere.
+is logged and dropped). No pickle anywhere. A send never blocks forever on a core that died,
+and an abort never blocks or is dropped: one that meets a full pipe (the core is stopped or
+slow to read) is queued and goes out before the next message, and from `get_output` /
+`call_utility` as soon as the pipe has room.
 """
 
 from __future__ import annotations
@@ -188,6 +191,7 @@ class SyncMPClient(EngineCoreClient):
         self._encoder = MsgpackEncoder()
         self._decoder = MsgpackDecoder(EngineCoreOutputs)
         self._pending: collections.deque[EngineCoreOutputs] = collections.deque()
+        self._aborts: list[str] = []  # aborts that met a full pipe, oldest first
         self._call_ids = itertools.count(1)
         self._dead: str | None = None
         self._closed = False
@@ -205,18 +209,37 @@ class SyncMPClient(EngineCoreClient):
     # -- sending ---------------------------------------------------------------------------------
 
     def _send(self, message: Any) -> None:
+        """Send after the queued aborts, waiting while the core's pipe is full."""
+        while not (self._flush_aborts() and self._send_nowait(message)):
+            while not self.input_sock.poll(_POLL_MS, zmq.POLLOUT):
+                self._check_core()
+
+    def _check_core(self) -> None:
         if self.process.exited.is_set():
             self._learn_why_dead()
         if self._dead is not None:  # nothing can be sent to a dead core, pending outputs or not
             raise EngineDeadError(self._dead)
+
+    def _send_nowait(self, message: Any) -> bool:
+        """One non-blocking send; False when the core's pipe is full."""
+        self._check_core()
         try:
             self.input_sock.send_multipart([self._identity, *self._encoder.encode(message)],
-                                           copy=False)
+                                           flags=zmq.NOBLOCK, copy=False)
+        except zmq.Again:
+            return False
         except zmq.ZMQError as exc:
             self.process.exited.wait(1.0)
             self._learn_why_dead()
             self._mark_dead(f"cannot reach the engine core: {exc}")
             raise EngineDeadError(self._dead or str(exc)) from exc
+        return True
+
+    def _flush_aborts(self) -> bool:
+        """Send the queued aborts; False when the pipe is still full."""
+        if self._aborts and self._send_nowait(AbortRequests(self._aborts)):
+            self._aborts = []
+        return not self._aborts
 
     def _learn_why_dead(self) -> None:
         """The core exited: read what it sent last (its dead notice says why)."""
@@ -230,13 +253,28 @@ class SyncMPClient(EngineCoreClient):
         self._send(AddRequest(request))
 
     def abort_requests(self, request_ids: list[str]) -> None:
+        """Abort without blocking: what meets a full pipe is queued (see the module doc)."""
         if request_ids and self._dead is None:
-            self._send(AbortRequests(request_ids))
+            self._aborts.extend(request_ids)
+            self._flush_aborts()
 
     # -- receiving -------------------------------------------------------------------------------
 
+    def _poll_output(self, timeout_ms: int) -> bool:
+        """Wait up to `timeout_ms` for an output; queued aborts go out meanwhile, as soon as
+        the pipe has room (then this returns early)."""
+        if not self._aborts or self._dead is not None or self.process.exited.is_set():
+            return bool(self.output_sock.poll(timeout_ms))
+        poller = zmq.Poller()
+        poller.register(self.output_sock, zmq.POLLIN)
+        poller.register(self.input_sock, zmq.POLLOUT)
+        ready = dict(poller.poll(timeout_ms))
+        if self.input_sock in ready:
+            self._flush_aborts()
+        return self.output_sock in ready
+
     def _recv(self, timeout_ms: int) -> EngineCoreOutputs | None:
-        if not self.output_sock.poll(timeout_ms):
+        if not self._poll_output(timeout_ms):
             if self.process.exited.is_set() and not self.output_sock.poll(0):
                 self._mark_dead(f"engine core {self.process.describe_exit()}")
             return None

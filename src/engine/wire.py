@@ -155,7 +155,10 @@ class SchedulerStats(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
     """Scheduler state snapshot sent with an output batch (for logging and Prometheus).
 
     Counts named for events (prefix-cache queries and hits, preemptions, estimated FLOPs) are
-    deltas since the previous snapshot; the frontend's counters add them up.
+    deltas since the previous snapshot; the frontend's counters add them up. With stats off
+    (`disable_log_stats`) the core still sends the two queue lengths, which least-loaded DP
+    routing needs, on the batches it sends anyway; every other field is then left at its
+    default (and the frontend has no stat loggers to feed).
     """
 
     num_running_reqs: int = 0

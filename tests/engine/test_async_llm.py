@@ -179,8 +179,14 @@ async def test_thousand_streams_are_processed_in_bounded_chunks(
             outs = [o async for o in llm.generate({"prompt_token_ids": [5 + i % 50] * 4}, params)]
             finished += outs[-1].finished
 
+        # Held while all 1000 arrive, so the first step's batch holds every one of them
+        # (without this, batch sizes depend on how fast requests trickle in).
+        await llm.call_utility("pause", "keep")
         async with trio.open_nursery() as nursery:
             for i in range(1000):
                 nursery.start_soon(one, i)
+            while llm.output_processor.get_num_unfinished_requests() < 1000:
+                await trio.sleep(0.01)
+            await llm.call_utility("resume")
     assert finished == 1000
     assert 64 <= largest_run <= 64

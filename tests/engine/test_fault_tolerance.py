@@ -317,7 +317,9 @@ async def test_killed_core_of_two_fails_only_its_requests(tiny_llama_dir: Path) 
             with trio.fail_after(30):
                 for event in started:
                     await event.wait()
-            owners = {f"s{i}": client.engine_of(f"s{i}") for i in range(8)}
+            # The core sees each request under its internal id (the handle).
+            handles = llm.output_processor.handles_of
+            owners = {f"s{i}": client.engine_of(handles([f"s{i}"])[0]) for i in range(8)}
             os.kill(client.processes[1].pid, signal.SIGKILL)
             with trio.fail_after(10):
                 while 1 not in client.restarting:
