@@ -6,9 +6,11 @@ paged KV cache (torch reference attention, slot writes included, via the runner'
 preparation) against `AutoModelForCausalLM` on the same tokens as one [seqs, len] batch
 (no padding needed: equal lengths). Both compute the final hidden states and the logits of
 each sequence's last position only. Prints the machine, versions,
-the command and the ratio (ringserve / transformers tokens per second; > 1 is faster).
+the command and the ratio (ringserve / transformers tokens per second; > 1 is faster):
+`--runs` rounds (default 3) of `--iters` interleaved iterations each, the median of each
+round's medians with the range, and the ratio per round.
 
-    .venv/bin/python scripts/bench_model.py [--seqs 8] [--len 128] [--iters 9]
+    .venv/bin/python scripts/bench_model.py [--seqs 8] [--len 128] [--iters 9] [--runs 3]
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ def main() -> None:
     parser.add_argument("--len", type=int, default=128)
     parser.add_argument("--iters", type=int, default=9)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--runs", type=int, default=3)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 
@@ -85,20 +88,28 @@ def main() -> None:
         with torch.inference_mode():
             hf(tokens, use_cache=False, logits_to_keep=1)
 
-    t_ours, t_hf = _bench([ours, theirs], args.iters)
+    rounds = [_bench([ours, theirs], args.iters) for _ in range(max(args.runs, 1))]
+    mine, hfs = [r[0] for r in rounds], [r[1] for r in rounds]
+    ratios = [h / o for o, h in rounds]
     n = args.seqs * args.len
     import transformers
 
     print(f"machine: {platform.machine()} {platform.processor() or ''} cpus={os.cpu_count()} "
           f"threads={args.threads}; python {sys.version.split()[0]}, torch {torch.__version__}, "
-          f"transformers {transformers.__version__}")
+          f"transformers {transformers.__version__}; load average {os.getloadavg()[0]:.2f}")
     print(f"command: {' '.join(sys.argv)}")
     print(f"model: demo (Llama, hidden 256, 4 layers, float32); batch {args.seqs} x {args.len} tokens")
-    print("| engine | forward ms (median) | tokens/s |")
+
+    def span(values: list[float], scale: float = 1e3, digits: int = 1) -> str:
+        med, lo, hi = (x * scale for x in (statistics.median(values), min(values), max(values)))
+        return f"{med:.{digits}f} ({lo:.{digits}f}-{hi:.{digits}f})"
+
+    print(f"| engine | forward ms (median of {len(rounds)} rounds, range) | tokens/s (median) |")
     print("|---|---|---|")
-    print(f"| ringserve runner (paged KV, torch attention) | {t_ours * 1e3:.1f} | {n / t_ours:,.0f} |")
-    print(f"| transformers forward | {t_hf * 1e3:.1f} | {n / t_hf:,.0f} |")
-    print(f"ratio ringserve / transformers: {t_hf / t_ours:.2f}x")
+    print(f"| ringserve runner (paged KV, torch attention) | {span(mine)} | {n / statistics.median(mine):,.0f} |")
+    print(f"| transformers forward | {span(hfs)} | {n / statistics.median(hfs):,.0f} |")
+    print(f"ratio ringserve / transformers per round: {', '.join(f'{r:.2f}' for r in ratios)}; "
+          f"median {span(ratios, 1.0, 2)}x")
 
 
 if __name__ == "__main__":

@@ -5,14 +5,18 @@ emoji) one token per step with two stop strings that never match, fed as EngineC
 the real OutputProcessor with one collector per request, the consumer draining each collector
 every step. Compared in the same run with the O(n^2) way: re-decode each request's whole output
 every step, search the whole text for the stop strings, and slice the delta. Reports µs per
-output token for both and their ratio; prints the machine, the command and one JSON line.
+output token for both and their ratio: `--runs` rounds (default 3), both paths once per round,
+the median and the range (never the best round alone). Prints the machine, versions, the
+command and one JSON line.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
+import statistics
 import sys
 import time
 from typing import Any
@@ -80,7 +84,12 @@ def main(argv: list[str] | None = None) -> int:
     """Run the benchmark; prints a table and a JSON line."""
     parser = argparse.ArgumentParser(prog="ringserve bench frontend", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.parse_args(argv)
+    parser.add_argument("--runs", type=int, default=3, help="rounds; medians and ranges reported")
+    ns = parser.parse_args(argv)
+    if ns.runs < 1:
+        parser.error("--runs must be >= 1")
+    import tokenizers
+    import transformers
     from transformers import AutoTokenizer
 
     from ringserve.gpu.testing import demo_model_path
@@ -88,15 +97,27 @@ def main(argv: list[str] | None = None) -> int:
     tokenizer = AutoTokenizer.from_pretrained(str(demo_model_path()))
     streams = _streams(tokenizer)
     total = STREAMS * TOKENS
-    incremental = min(run_incremental(tokenizer, streams) for _ in range(3))
-    redecode = run_redecode(tokenizer, streams)
-    inc_us, re_us = incremental / total * 1e6, redecode / total * 1e6
-    print(json.dumps({"python": platform.python_version(), "command": " ".join(sys.argv)}))
-    print(f"\n{STREAMS} streams x {TOKENS} tokens\n")
+    run_incremental(tokenizer, streams)  # warm-up
+    inc, red = [], []
+    for _ in range(ns.runs):
+        inc.append(run_incremental(tokenizer, streams) / total * 1e6)
+        red.append(run_redecode(tokenizer, streams) / total * 1e6)
+    ratios = [r / i for i, r in zip(inc, red, strict=True)]
+
+    def span(v: list[float]) -> str:
+        return f"{statistics.median(v):.1f} ({min(v):.1f}-{max(v):.1f})"
+
+    print(json.dumps({"python": platform.python_version(), "machine": platform.machine(),
+                      "cores": os.cpu_count(), "load_average": os.getloadavg(),
+                      "tokenizers": tokenizers.__version__,
+                      "transformers": transformers.__version__, "command": " ".join(sys.argv)}))
+    print(f"\n{STREAMS} streams x {TOKENS} tokens, median of {ns.runs} rounds (range)\n")
     print("| frontend path | us per output token |\n|---|---:|")
-    print(f"| ringserve (incremental detokenizer + stop check + collector) | {inc_us:.1f} |")
-    print(f"| re-decode whole text each step (O(n^2)) | {re_us:.1f} |")
-    print(f"\nspeed-up: {re_us / inc_us:.1f}x")
+    print(f"| ringserve (incremental detokenizer + stop check + collector) | {span(inc)} |")
+    print(f"| re-decode whole text each step (O(n^2)) | {span(red)} |")
+    print(f"\nspeed-up per round: {', '.join(f'{r:.1f}' for r in ratios)}; median {span(ratios)}x")
     print(json.dumps({"bench": "frontend", "streams": STREAMS, "tokens": TOKENS,
-                      "incremental_us_per_token": inc_us, "redecode_us_per_token": re_us}))
+                      "incremental_us_per_token": statistics.median(inc),
+                      "redecode_us_per_token": statistics.median(red),
+                      "incremental_runs": inc, "redecode_runs": red}))
     return 0

@@ -28,7 +28,7 @@ from typing import Any
 import httpx
 import trio
 
-from ringserve.http.bench_serve_metrics import compute_metrics, format_report
+from ringserve.http.bench_serve_metrics import check_token_counts, compute_metrics, format_report
 from ringserve.http.bench_serve_request import (
     BACKENDS,
     Backend,
@@ -247,6 +247,7 @@ def result_json(cfg: BenchConfig, backend: Backend, metrics: dict[str, Any],
         **metrics,
         "input_lens": [o.prompt_len for o in outputs],
         "output_lens": [o.output_tokens for o in outputs],
+        "output_chunks": [o.token_chunks for o in outputs],
         "ttfts": [o.ttft for o in outputs], "itls": [o.itl for o in outputs],
         "generated_texts": [o.generated_text for o in outputs],
         "errors": [o.error for o in outputs],
@@ -270,11 +271,15 @@ def main(argv: list[str] | None = None) -> int:
     """Run the benchmark from the command line; returns the exit status."""
     ns = build_parser().parse_args(argv)
     cfg = config_from_args(ns)
-    print(json.dumps({"python": platform.python_version(), "cpus": os.cpu_count(),
+    print(json.dumps({"python": platform.python_version(), "machine": platform.machine(),
+                      "cpus": os.cpu_count(), "kernel": platform.release(),
+                      "httpx": httpx.__version__, "trio": trio.__version__,
                       "command": " ".join(sys.argv)}))
     requests = random_dataset(cfg)
     backend, outputs, duration = trio.run(run_benchmark, cfg, requests)
     metrics = compute_metrics(outputs, duration, cfg.percentiles)
+    metrics.update(check_token_counts(outputs, [r.output_len for r in requests]))
+    metrics["requested_output_lens"] = [r.output_len for r in requests]
     print(format_report(metrics, cfg.percentiles, cfg.max_concurrency, cfg.request_rate))
     for error in sorted({o.error for o in outputs if o.error})[:5]:
         print(f"error: {error}", file=sys.stderr)

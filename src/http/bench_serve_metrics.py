@@ -2,7 +2,8 @@
 
 `compute_metrics` turns the per-request measurements of `bench_serve_request` into vLLM's
 result fields (throughputs; mean, median, std and percentiles of TTFT, TPOT, ITL and E2EL in
-milliseconds); `format_report` prints vLLM's block. Definitions follow vLLM: TTFT is the time
+milliseconds); `check_token_counts` compares every request's output tokens with what it asked
+for; `format_report` prints vLLM's block and that check. Definitions follow vLLM: TTFT is the time
 to the first token chunk, TPOT a request's `(E2EL - TTFT) / (output tokens - 1)`, ITL every
 gap between token chunks of every request, E2EL the whole request.
 """
@@ -71,6 +72,26 @@ def compute_metrics(outputs: Sequence[RequestOutput], duration: float,
     return result
 
 
+def check_token_counts(outputs: Sequence[RequestOutput],
+                       requested: Sequence[int]) -> dict[str, Any]:
+    """Whether every successful request got exactly the output tokens it asked for.
+
+    A request is a mismatch when the server's count (usage, else the token chunks) differs
+    from `max_tokens`, or when the client saw more token chunks than that count (a server may
+    merge tokens into one chunk, so fewer chunks is fine). Throughputs always use the counts
+    the servers reported, so a short server is not credited for tokens it did not produce.
+    """
+    mismatched = [i for i, (o, n) in enumerate(zip(outputs, requested, strict=True))
+                  if o.success and (o.output_tokens != n or o.token_chunks > o.output_tokens)]
+    return {
+        "requested_output_tokens": sum(n for o, n in zip(outputs, requested, strict=True)
+                                       if o.success),
+        "total_output_chunks": sum(o.token_chunks for o in outputs if o.success),
+        "token_count_mismatches": len(mismatched),
+        "token_count_mismatched_requests": mismatched[:20],
+    }
+
+
 def _row(label: str, value: float | int | str) -> str:
     if isinstance(value, float):
         return f"{label:<40} {value:<10.2f}"
@@ -102,5 +123,14 @@ def format_report(result: dict[str, Any], percentiles: Sequence[float],
         lines.append(_row(f"Median {short} (ms):", float(result[f"median_{key}_ms"])))
         for q in percentiles:
             lines.append(_row(f"P{q:g} {short} (ms):", float(result[f"p{q:g}_{key}_ms"])))
+    if "requested_output_tokens" in result:
+        lines.append(f"{' Output token check ':-^50}")
+        lines.append(_row("Requested output tokens:", result["requested_output_tokens"]))
+        lines.append(_row("Token chunks streamed:", result["total_output_chunks"]))
+        bad = result["token_count_mismatches"]
+        lines.append(_row("Requests with the wrong count:", bad))
+        if bad:
+            lines.append(f"!!! TOKEN COUNT MISMATCH: {bad} request(s) did not get the output "
+                         f"tokens asked for (first: {result['token_count_mismatched_requests']})")
     lines.append("=" * 50)
     return "\n".join(lines)

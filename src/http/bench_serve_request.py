@@ -40,6 +40,7 @@ class RequestOutput:
     prompt_len: int = 0
     output_tokens: int = 0
     usage_reported: bool = False
+    token_chunks: int = 0
     ttft: float = 0.0
     latency: float = 0.0
     itl: list[float] = field(default_factory=list)
@@ -85,6 +86,8 @@ async def send_request(client: httpx.AsyncClient, url: str, payload: dict[str, A
 
     The stream ends at `data: [DONE]` or when the server closes it; output tokens are the
     usage's `completion_tokens`, or the number of token chunks when the server sends no usage.
+    `token_chunks` is the client's own count of chunks that carried tokens (a server may merge
+    several tokens into one chunk, never split one token over two).
     """
     out = RequestOutput(prompt_len=prompt_len)
     start = last = time.perf_counter()
@@ -127,6 +130,7 @@ async def send_request(client: httpx.AsyncClient, url: str, payload: dict[str, A
         return out
     out.latency = time.perf_counter() - start
     out.generated_text = "".join(texts)
+    out.token_chunks = token_chunks
     if not out.usage_reported:
         out.output_tokens = token_chunks
     out.success = True

@@ -8,6 +8,11 @@ PUSH/PULL pair and ``multiprocessing.Pipe``. This module and ``bench.py`` are th
 ``ringserve.shm`` that import zmq or multiprocessing (lazily). No pickle: messages are bytes
 with a one-byte kind.
 
+Every consumer reads the payload of every message it gets: the server copies each ECHO and
+BULK payload out into its own buffer, and the client copies each reply's payload, on every
+transport. (The ring hands its reader a view into shared memory; without this its reader would
+never touch the bytes while the socket transports' readers do, which flatters the ring.)
+
 Server protocol (kind): ECHO returns the payload, CPU returns the server's CPU seconds as a
 little-endian double, BULK is consumed silently, BULK_END answers with the count of BULK
 frames, STOP ends the server.
@@ -30,6 +35,14 @@ ECHO, CPU, BULK, BULK_END, STOP = 1, 2, 3, 4, 5
 RING_CAPACITY = 1 << 24
 _F64 = struct.Struct("<d")
 _CPU_REPLY = _F64.size
+MAX_PAYLOAD = 4 * 1024 * 1024 + 64
+
+
+def touch(scratch: bytearray, data: memoryview | bytes) -> int:
+    """Copy ``data`` into ``scratch`` (a consumer reading the payload); returns its length."""
+    n = len(data)
+    scratch[:n] = data
+    return n
 
 
 class Client(Protocol):
@@ -68,13 +81,16 @@ class RingClient:
         self.out = RingWriter.create(RING_CAPACITY, label="bench_out", policy=policy)
         self.back = RingReader.create(RING_CAPACITY, label="bench_back", policy=policy)
         self.proc = _spawn("ring", self.out.name, self.back.name, "park" if park else "spin")
+        self.scratch = bytearray(MAX_PAYLOAD)
         self.out.wait_attached(60.0)
         self.back.wait_attached(60.0)
 
     def call(self, kind: int, data: bytes) -> int:
         self.out.send(data, kind)
         frame = self.back.recv(60.0)
-        n = len(frame.data) if frame.kind != BULK_END else int.from_bytes(frame.data, "little")
+        n = touch(self.scratch, frame.data)
+        if frame.kind == BULK_END:
+            n = int.from_bytes(frame.data, "little")
         self.back.release()
         return n
 
@@ -103,12 +119,15 @@ def serve_ring(out_name: str, back_name: str, mode: str) -> None:
         RingWriter.attach(back_name, policy=policy) as outbox,
     ):
         bulk = 0
+        scratch = bytearray(MAX_PAYLOAD)
         while True:
             frame = inbox.recv()
             kind = frame.kind
             if kind == ECHO:
+                touch(scratch, frame.data)
                 outbox.send(frame.data, ECHO)
             elif kind == BULK:
+                touch(scratch, frame.data)
                 bulk += 1
             elif kind == BULK_END:
                 outbox.send(bulk.to_bytes(8, "little"), BULK_END)
@@ -128,6 +147,8 @@ class SpinFloorClient:
         self.seg = Segment.create("bench_floor", 4096 + 2 * max_bytes)
         self.words = memoryview(self.seg.mapping).cast("Q")
         self.req = memoryview(self.seg.mapping)[4096 : 4096 + max_bytes]
+        self.rep = memoryview(self.seg.mapping)[4096 + max_bytes : 4096 + 2 * max_bytes]
+        self.scratch = bytearray(max_bytes)
         self.seq = 0
         self.proc = _spawn("floor", self.seg.name, str(max_bytes))
         while self.words[32] != 1:  # the server's "ready" word
@@ -144,12 +165,14 @@ class SpinFloorClient:
         words[0] = seq * 8 + kind
         while words[16] != seq:
             pass
+        self.scratch[:n] = self.rep[:n]
         return n
 
     def close(self) -> None:
         self.words[0] = (self.seq + 1) * 8 + STOP
         self.proc.wait(60.0)
         self.req.release()
+        self.rep.release()
         self.words.release()
         self.seg.close()
 
@@ -192,11 +215,13 @@ class ZmqClient:
         self.back = self.ctx.socket(zmq.PULL)
         self.back.bind(back_addr)
         self.proc = _spawn("zmq", out_addr, back_addr)
+        self.scratch = bytearray(MAX_PAYLOAD)
 
     def call(self, kind: int, data: bytes) -> int:
         self.out.send_multipart([bytes((kind,)), data], copy=len(data) < 65536)
-        _, payload = self.back.recv_multipart()
-        return len(payload) if kind != BULK_END else int.from_bytes(payload, "little")
+        _, payload = self.back.recv_multipart(copy=False)
+        n = touch(self.scratch, payload.buffer)
+        return n if kind != BULK_END else int.from_bytes(payload.bytes, "little")
 
     def push(self, data: bytes) -> None:
         self.out.send_multipart([bytes((BULK,)), data], copy=len(data) < 65536)
@@ -224,12 +249,15 @@ def serve_zmq(out_addr: str, back_addr: str) -> None:
     outbox = ctx.socket(zmq.PUSH)
     outbox.connect(back_addr)
     bulk = 0
+    scratch = bytearray(MAX_PAYLOAD)
     while True:
         kind_b, data = inbox.recv_multipart(copy=False)
         kind = kind_b.bytes[0]
         if kind == ECHO:
+            touch(scratch, data.buffer)
             outbox.send_multipart([kind_b, data])
         elif kind == BULK:
+            touch(scratch, data.buffer)
             bulk += 1
         elif kind == BULK_END:
             outbox.send_multipart([kind_b, bulk.to_bytes(8, "little")])
@@ -254,11 +282,13 @@ class PipeClient:
         self.proc: Any = ctx.Process(target=serve_pipe, args=(child,), daemon=True)
         self.proc.start()
         child.close()
+        self.scratch = bytearray(MAX_PAYLOAD)
 
     def call(self, kind: int, data: bytes) -> int:
         self.conn.send_bytes(bytes((kind,)) + data)
         reply = self.conn.recv_bytes()
-        return len(reply) - 1 if kind != BULK_END else int.from_bytes(reply[1:], "little")
+        n = touch(self.scratch, memoryview(reply)[1:])
+        return n if kind != BULK_END else int.from_bytes(reply[1:], "little")
 
     def push(self, data: bytes) -> None:
         self.conn.send_bytes(bytes((BULK,)) + data)
@@ -277,12 +307,15 @@ class PipeClient:
 def serve_pipe(conn: Any) -> None:
     """Pipe echo server (runs in the forked child)."""
     bulk = 0
+    scratch = bytearray(MAX_PAYLOAD)
     while True:
         msg = conn.recv_bytes()
         kind = msg[0]
         if kind == ECHO:
+            touch(scratch, memoryview(msg)[1:])
             conn.send_bytes(msg)
         elif kind == BULK:
+            touch(scratch, memoryview(msg)[1:])
             bulk += 1
         elif kind == BULK_END:
             conn.send_bytes(bytes((BULK_END,)) + bulk.to_bytes(8, "little"))

@@ -22,8 +22,13 @@ import pytest
 from test_http_server import LiveServer
 
 from ringserve.http.bench_serve import BenchConfig, build_parser, random_dataset, run_benchmark
-from ringserve.http.bench_serve_metrics import compute_metrics, format_report, percentile
-from ringserve.http.bench_serve_request import SampleRequest
+from ringserve.http.bench_serve_metrics import (
+    check_token_counts,
+    compute_metrics,
+    format_report,
+    percentile,
+)
+from ringserve.http.bench_serve_request import RequestOutput, SampleRequest
 
 TRANSFORMERS_FIELDS = {"model", "prompt", "temperature", "max_tokens", "stream",
                        "stream_options", "generation_config", "seed"}
@@ -39,14 +44,15 @@ def _config(tokenizer: str, **overrides: Any) -> BenchConfig:
     return BenchConfig(**values)
 
 
-def _transformers_like(request: httpx.Request) -> httpx.Response:
+def _transformers_like(request: httpx.Request, short: int = 0) -> httpx.Response:
+    """transformers serve's dialect; `short` tokens fewer than asked for, when given."""
     body: dict[str, Any] = json.loads(request.content)
     unexpected = set(body) - TRANSFORMERS_FIELDS
     if unexpected:
         return httpx.Response(422, json={"detail": f"Unexpected fields: {unexpected}"})
     assert isinstance(body["prompt"], str)
     assert json.loads(body["generation_config"])["eos_token_id"] == -1
-    n = body["max_tokens"]
+    n = body["max_tokens"] - short
     chunks: list[dict[str, Any]] = [{"choices": [{"index": 0, "text": f"t{i}"}]}
                                     for i in range(n)]
     chunks.append({"choices": [{"index": 0, "text": "", "finish_reason": "length"}],
@@ -68,13 +74,45 @@ async def test_detects_transformers_serve(tiny_llama_dir: Path) -> None:
     assert all(o.success and o.usage_reported for o in outputs), [o.error for o in outputs]
     # The bare finish chunk is not a token: 5 token chunks, 4 gaps each.
     assert [(o.output_tokens, len(o.itl), o.prompt_len) for o in outputs] == [(5, 4, 17)] * 4
+    assert [o.token_chunks for o in outputs] == [5] * 4
     metrics = compute_metrics(outputs, duration, cfg.percentiles)
     assert (metrics["completed"], metrics["total_output_tokens"]) == (4, 20)
     assert metrics["total_input_tokens"] == 68
+    metrics.update(check_token_counts(outputs, [r.output_len for r in requests]))
+    assert (metrics["requested_output_tokens"], metrics["token_count_mismatches"]) == (20, 0)
     report = format_report(metrics, cfg.percentiles, cfg.max_concurrency, cfg.request_rate)
     for label in ("Successful requests:", "P99 TTFT (ms):", "Median ITL (ms):",
-                  "P50 E2EL (ms):", "Maximum request concurrency:"):
+                  "P50 E2EL (ms):", "Maximum request concurrency:",
+                  "Requested output tokens:", "Requests with the wrong count:"):
         assert label in report
+    assert "MISMATCH" not in report
+
+
+async def test_a_server_short_of_tokens_is_reported_and_not_credited(
+        tiny_llama_dir: Path) -> None:
+    cfg = _config(str(tiny_llama_dir))
+    requests = random_dataset(cfg)
+    backend, outputs, duration = await run_benchmark(
+        cfg, requests, transport=httpx.MockTransport(lambda r: _transformers_like(r, short=2)))
+    assert backend == "transformers"
+    metrics = compute_metrics(outputs, duration, cfg.percentiles)
+    metrics.update(check_token_counts(outputs, [r.output_len for r in requests]))
+    assert metrics["total_output_tokens"] == 12  # the tokens it produced, not the 20 asked for
+    assert metrics["requested_output_tokens"] == 20
+    assert metrics["token_count_mismatches"] == 4
+    assert metrics["token_count_mismatched_requests"] == [0, 1, 2, 3]
+    report = format_report(metrics, cfg.percentiles, cfg.max_concurrency, cfg.request_rate)
+    assert "!!! TOKEN COUNT MISMATCH: 4 request(s)" in report
+
+
+def test_more_chunks_than_counted_tokens_is_a_mismatch() -> None:
+    good = RequestOutput(success=True, output_tokens=4, token_chunks=3)  # merged chunks: fine
+    bad = RequestOutput(success=True, output_tokens=4, token_chunks=6)  # usage undercounts
+    failed = RequestOutput(success=False)
+    check = check_token_counts([good, bad, failed], [4, 4, 4])
+    assert check["token_count_mismatches"] == 1
+    assert check["token_count_mismatched_requests"] == [1]
+    assert check["requested_output_tokens"] == 8
 
 
 async def test_openai_backend_without_usage_counts_chunks(tiny_llama_dir: Path) -> None:
