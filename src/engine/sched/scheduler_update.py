@@ -75,7 +75,8 @@ class OutputMixin(ABC):
 
         Returns:
             client index -> that client's `EngineCoreOutputs` (with `SchedulerStats` on one
-            of them when stats are on). Outputs queued between steps (admission errors,
+            of them: the full snapshot when stats are on, else only the running / waiting
+            counts DP routing needs). Outputs queued between steps (admission errors,
             notified aborts) are included.
         """
         step_id = scheduler_output.step_id
