@@ -2,7 +2,7 @@
 
 Public API (more arrives as the engine is built; see README.md for what exists today):
 `LLM`, `LLMEngine`, `AsyncLLM`, `SamplingParams`, `RequestOutputKind`, `RequestOutput`, `CompletionOutput`,
-`EngineArgs`.
+`EngineArgs`, `StructuredOutputsParams`.
 Importing `ringserve` imports neither torch nor transformers.
 """
 
@@ -11,7 +11,12 @@ from ringserve.engine.async_llm import AsyncLLM
 from ringserve.engine.llm import LLM
 from ringserve.engine.llm_engine import LLMEngine
 from ringserve.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
-from ringserve.sampling_params import RequestOutputKind, SamplingParams, SamplingType
+from ringserve.sampling_params import (
+    RequestOutputKind,
+    SamplingParams,
+    SamplingType,
+    StructuredOutputsParams,
+)
 
 __version__ = "0.1.0"
 
@@ -27,5 +32,6 @@ __all__ = [
     "RequestOutputKind",
     "SamplingParams",
     "SamplingType",
+    "StructuredOutputsParams",
     "__version__",
 ]

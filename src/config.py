@@ -316,6 +316,30 @@ class FrontendConfig:
     max_num_queued_tokens: int | None = None
 
 
+STRUCTURED_OUTPUT_BACKENDS = ("auto", "xgrammar", "guidance")
+REASONING_PARSERS = ("qwen3", "deepseek_r1")
+
+
+@dataclass(frozen=True, slots=True)
+class StructuredOutputsConfig:
+    """Constrained decoding (`--structured-outputs-config`, `--reasoning-parser`).
+
+    Attributes:
+        backend: the grammar backend: "xgrammar", "guidance" (llguidance), or "auto"
+            (xgrammar).
+        reasoning_parser: with a reasoning model, the parser whose end-of-thinking marker
+            (`</think>`) starts the constraint: tokens before it are not constrained.
+    """
+
+    backend: str = "auto"
+    reasoning_parser: str | None = None
+
+    @property
+    def resolved_backend(self) -> str:
+        """The backend `auto` stands for."""
+        return "xgrammar" if self.backend == "auto" else self.backend
+
+
 @dataclass(frozen=True, slots=True)
 class EngineConfig:
     """The whole configuration of one engine, passed from the edge to every layer."""
@@ -328,3 +352,4 @@ class EngineConfig:
     observability_config: ObservabilityConfig
     fault_tolerance_config: FaultToleranceConfig
     frontend_config: FrontendConfig
+    structured_outputs_config: StructuredOutputsConfig = StructuredOutputsConfig()

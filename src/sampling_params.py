@@ -49,6 +49,74 @@ def _fail(field: str, value: object, allowed: str) -> ValueError:
     return ValueError(f"SamplingParams.{field}: got {value!r}, allowed: {allowed}")
 
 
+_CONSTRAINT_KINDS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
+
+
+class StructuredOutputsParams(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """A constraint on a request's output, enforced by a grammar mask on the logits (vLLM's
+    `StructuredOutputsParams`): exactly one of `json` (a JSON schema, as a dict or its JSON
+    text), `regex`, `choice` (the output is one of these strings), `grammar` (EBNF / GBNF),
+    `json_object=True` (any JSON object) or `structural_tag` (xgrammar's structural tag, as
+    JSON text).
+
+    Attributes:
+        whitespace_pattern: with `json` / `json_object`, the regex whitespace between tokens
+            must match (default: the backend's).
+        disable_any_whitespace: with `json` / `json_object`, no whitespace at all between
+            JSON tokens.
+
+    Raises:
+        TypeError: a field of the wrong type, naming it.
+        ValueError: no kind or more than one kind set, an empty `choice`, or a JSON option
+            with another kind; the message names the fields.
+    """
+
+    json: str | dict[str, Any] | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    structural_tag: str | None = None
+    whitespace_pattern: str | None = None
+    disable_any_whitespace: bool = False
+
+    def __post_init__(self) -> None:
+        check_fields(self)
+        if self.json_object is False:
+            self.json_object = None
+        kinds = [k for k in _CONSTRAINT_KINDS if getattr(self, k) is not None]
+        if len(kinds) != 1:
+            raise ValueError(
+                f"structured_outputs: got {kinds or 'no constraint'}, allowed: exactly one of "
+                f"{', '.join(_CONSTRAINT_KINDS)}")
+        if self.choice is not None and not self.choice:
+            raise ValueError("structured_outputs.choice: got [], allowed: a non-empty list of "
+                             "strings")
+        json_like = self.kind in ("json", "json_object")
+        if not json_like and (self.whitespace_pattern is not None or self.disable_any_whitespace):
+            raise ValueError("structured_outputs.whitespace_pattern / disable_any_whitespace: "
+                             "only with json or json_object")
+
+    @property
+    def kind(self) -> str:
+        """Which constraint is set: json, regex, choice, grammar, json_object, structural_tag."""
+        return next(k for k in _CONSTRAINT_KINDS if getattr(self, k) is not None)
+
+    @property
+    def spec(self) -> str:
+        """The constraint as text (a dict schema as canonical JSON; choices as a JSON list)."""
+        value = getattr(self, self.kind)
+        if isinstance(value, str):
+            return value
+        if value is True:
+            return ""
+        return msgspec.json.encode(value, order="sorted").decode()
+
+    def key(self) -> tuple[str, str, str | None, bool]:
+        """What identifies the compiled grammar (the compile cache's key)."""
+        return self.kind, self.spec, self.whitespace_pattern, self.disable_any_whitespace
+
+
 class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     """Sampling and stopping parameters for one request (vLLM's names, defaults and ranges).
 
@@ -83,6 +151,7 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         check_fields(self)

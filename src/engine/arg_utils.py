@@ -10,11 +10,14 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import re
 from dataclasses import dataclass
 from typing import Any, get_args
 
 from ringserve.config import (
+    REASONING_PARSERS,
+    STRUCTURED_OUTPUT_BACKENDS,
     CacheConfig,
     DeviceConfig,
     EngineConfig,
@@ -26,6 +29,7 @@ from ringserve.config import (
     ParallelConfig,
     SchedulerConfig,
     SchedulingPolicy,
+    StructuredOutputsConfig,
 )
 
 DEMO_MODEL = "ringserve-demo"
@@ -85,6 +89,8 @@ class EngineArgs:
     fault_tolerance_auto_retry: int = 0
     max_num_queued_reqs: int | None = None
     max_num_queued_tokens: int | None = None
+    structured_outputs_config: str | dict[str, Any] | None = None
+    reasoning_parser: str | None = None
 
     # -- CLI -------------------------------------------------------------------------------
 
@@ -164,7 +170,39 @@ class EngineArgs:
                 max_num_queued_reqs=self.max_num_queued_reqs,
                 max_num_queued_tokens=self.max_num_queued_tokens,
             ),
+            structured_outputs_config=self._structured_outputs_config(),
         )
+
+    def _structured_outputs_config(self) -> StructuredOutputsConfig:
+        """`structured_outputs_config` (a dict, or its JSON text from the CLI) and
+        `reasoning_parser`, checked.
+
+        Raises:
+            ValueError: not JSON, an unknown key, backend or reasoning parser.
+        """
+        raw = self.structured_outputs_config
+        if isinstance(raw, str):
+            try:
+                raw = json.loads(raw)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"structured_outputs_config: not JSON ({exc})") from None
+        raw = dict(raw or {})
+        if not isinstance(raw, dict):
+            raise ValueError("structured_outputs_config: expected a JSON object")
+        allowed = {"backend", "reasoning_parser"}
+        unknown = sorted(set(raw) - allowed)
+        if unknown:
+            raise ValueError(f"structured_outputs_config: unknown keys {unknown}; allowed: "
+                             f"{sorted(allowed)}")
+        backend = raw.get("backend", "auto")
+        if backend not in STRUCTURED_OUTPUT_BACKENDS:
+            raise ValueError(f"structured_outputs_config.backend: got {backend!r}, allowed: "
+                             f"{', '.join(STRUCTURED_OUTPUT_BACKENDS)}")
+        parser = self.reasoning_parser or raw.get("reasoning_parser")
+        if parser is not None and parser not in REASONING_PARSERS:
+            raise ValueError(f"reasoning_parser: got {parser!r}, allowed: "
+                             f"{', '.join(REASONING_PARSERS)}")
+        return StructuredOutputsConfig(backend=backend, reasoning_parser=parser)
 
     def _model_dir(self) -> str:
         if self.model == DEMO_MODEL:
@@ -330,4 +368,8 @@ _FLAG_SPECS: tuple[_FlagSpec, ...] = (
               "(with backoff) before waiting for an operator", int),
     _FlagSpec("max_num_queued_reqs", "admission limit on requests (503 beyond)", int),
     _FlagSpec("max_num_queued_tokens", "admission limit on prompt tokens in prefill", int),
+    _FlagSpec("structured_outputs_config", "constrained decoding, as JSON: "
+              f"{{\"backend\": one of {', '.join(STRUCTURED_OUTPUT_BACKENDS)}}}", str),
+    _FlagSpec("reasoning_parser", "split <think>...</think> into the reasoning field; "
+              "constraints apply after it", str, REASONING_PARSERS),
 )

@@ -74,7 +74,9 @@ class AsyncLLM:
                  stat_loggers: list[StatLoggerFactory] | None = None) -> None:
         self.config = config
         self.tokenizer = load_tokenizer(config)
-        self.input_processor = InputProcessor(config.model_config, self.tokenizer)
+        self.input_processor = InputProcessor(
+            config.model_config, self.tokenizer,
+            config.structured_outputs_config.resolved_backend)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.max_num_queued_reqs = config.frontend_config.max_num_queued_reqs
         self.max_num_queued_tokens = config.frontend_config.max_num_queued_tokens

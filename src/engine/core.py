@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
+from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any, Literal
 
@@ -22,6 +23,7 @@ from ringserve import envs
 from ringserve.config import EngineConfig
 from ringserve.engine.metrics.flops import ModelFlops
 from ringserve.engine.sched.scheduler import Scheduler
+from ringserve.engine.structured.manager import AllowAll, StructuredOutputManager
 from ringserve.engine.wire import (
     EngineCoreOutput,
     EngineCoreOutputs,
@@ -31,11 +33,14 @@ from ringserve.engine.wire import (
 )
 from ringserve.gpu.executor.base import Executor
 from ringserve.gpu.executor.errors import WorkerTimeoutError
-from ringserve.gpu.wire import ModelRunnerOutput, SchedulerOutput
+from ringserve.gpu.wire import GrammarOutput, ModelRunnerOutput, SchedulerOutput
 
 logger = logging.getLogger(__name__)
 
 PauseMode = Literal["keep", "abort", "wait"]
+
+# The grammar row of a request that finished since its step was scheduled.
+_FINISHED = AllowAll()
 
 UTILITY_METHODS = frozenset({
     "sleep", "wake_up", "is_sleeping",
@@ -51,6 +56,8 @@ class EngineCore:
         config: the engine configuration.
         executor_class: override the executor (tests use fakes); default by config.
         engine_index: this core's data-parallel rank.
+        wake: called from another thread when a grammar has compiled (the busy loop may be
+            blocked waiting for input).
 
     Raises:
         ValueError: the KV cache cannot hold even one block, or the config is unusable.
@@ -61,9 +68,14 @@ class EngineCore:
         config: EngineConfig,
         executor_class: type[Executor] | None = None,
         engine_index: int = 0,
+        wake: Callable[[], None] | None = None,
     ) -> None:
         self.config = config
         self.engine_index = engine_index
+        # Grammars compile on its threads; `wake` rouses an idle busy loop when one is done.
+        self.structured = StructuredOutputManager(config, wake)
+        # A submitted step whose bitmask waits for the step before it (async scheduling).
+        self._grammar_pending: SchedulerOutput | None = None
         self._executor_class = executor_class or Executor.get_class(config)
         self.executor, self.num_blocks = self._build_executor(None)
         self.scheduler = self._build_scheduler()
@@ -113,6 +125,7 @@ class EngineCore:
             eos_token_ids=config.model_config.eos_token_ids,
             log_stats=not config.observability_config.disable_log_stats,
             engine_index=self.engine_index,
+            structured=self.structured,
         )
 
     # -- faults --------------------------------------------------------------------------------
@@ -121,6 +134,7 @@ class EngineCore:
         """Engine fault: forget the steps in flight and end every request (held ones too)
         with finish reason ERROR and `error`; every block is free afterwards."""
         self.batch_queue.clear()
+        self._grammar_pending = None
         outputs = self.scheduler.abort_all(FinishReason.ERROR, error=error)
         held, self._held = self._held, []
         for request in held:
@@ -140,6 +154,7 @@ class EngineCore:
             Exception: the new executor could not be built (the old one is already gone).
         """
         self.batch_queue.clear()
+        self._grammar_pending = None
         self.executor.shutdown()
         self.executor, _ = self._build_executor(self.num_blocks)
         self.scheduler = self._build_scheduler()
@@ -196,7 +211,10 @@ class EngineCore:
         if not _worth_sending(scheduler_output):
             return self.scheduler.take_pending_outputs(), False
         t1 = time.perf_counter()
-        model_output = self._result(self.executor.execute_model(scheduler_output, non_block=True))
+        future = self.executor.execute_model(scheduler_output, non_block=True)
+        if scheduler_output.grammar_req_ids:
+            self._send_grammar(scheduler_output)  # while the forward runs
+        model_output = self._result(future)
         t2 = time.perf_counter()
         outputs = self.scheduler.update_from_output(scheduler_output, model_output)
         timings["schedule"] += t1 - t0
@@ -227,6 +245,11 @@ class EngineCore:
                 future = self.executor.execute_model(scheduler_output, non_block=True)
                 queue.appendleft((future, scheduler_output))
                 submitted = True
+                if scheduler_output.grammar_req_ids:
+                    if len(queue) == 1:
+                        self._send_grammar(scheduler_output)
+                    else:  # its matchers need the older step's tokens first
+                        self._grammar_pending = scheduler_output
                 if len(queue) < self.batch_queue_size and not queue[-1][0].done():
                     return None, True
         if not queue:
@@ -236,6 +259,7 @@ class EngineCore:
         model_output = self._result(future)
         t2 = time.perf_counter()
         outputs = self.scheduler.update_from_output(scheduler_output, model_output)
+        self._flush_grammar()
         timings["execute"] += t2 - t1
         timings["update"] += time.perf_counter() - t2
         timings["steps"] += 1
@@ -254,6 +278,25 @@ class EngineCore:
                 raise  # the step itself raised TimeoutError
             raise TimeoutError(f"execute_model did not finish within {self.step_timeout:g} s "
                                "(--execute-model-timeout-s)") from None
+
+    def _send_grammar(self, scheduler_output: SchedulerOutput) -> None:
+        """Compute the step's bitmask for its constrained rows and hand it to the workers;
+        a request whose grammar allows no token ends with an error."""
+        requests = self.scheduler.requests
+        ids = scheduler_output.grammar_req_ids
+        grammars = [requests[rid].grammar if rid in requests else _FINISHED for rid in ids]
+        bitmask, dead = self.structured.bitmask(grammars)
+        for row in dead:
+            req = requests.get(ids[row])
+            if req is not None:
+                req.error = f"request {req.request_id!r}: {req.grammar.error}"
+                self.scheduler.finish_requests(req.request_id, FinishReason.ERROR, notify=True)
+        self.executor.sample_tokens(GrammarOutput(scheduler_output.step_id, ids, bitmask))
+
+    def _flush_grammar(self) -> None:
+        pending, self._grammar_pending = self._grammar_pending, None
+        if pending is not None:
+            self._send_grammar(pending)
 
     def _worker_call(self, method: str, args: tuple[Any, ...], timeout: float | None) -> None:
         """`collective_rpc` between steps; workers that do not answer within `timeout` (the
@@ -282,6 +325,7 @@ class EngineCore:
         while self.batch_queue:
             future, scheduler_output = self.batch_queue.pop()
             outputs = self.scheduler.update_from_output(scheduler_output, future.result())
+            self._flush_grammar()
             for client, outs in outputs.items():
                 if client in merged:
                     merged[client].outputs.extend(outs.outputs)
@@ -405,7 +449,9 @@ class EngineCore:
     def shutdown(self) -> None:
         """Stop the executor and its workers; idempotent."""
         self.batch_queue.clear()
+        self._grammar_pending = None
         self.executor.shutdown()
+        self.structured.shutdown()
 
 
 def _worth_sending(scheduler_output: SchedulerOutput) -> bool:

@@ -75,6 +75,13 @@ class _ExecutorFailed:
         self.executor = executor
 
 
+class _Wake:
+    """Put in the input queue when a grammar has compiled: wakes an idle busy loop."""
+
+
+_WAKE = _Wake()
+
+
 class _Shutdown(BaseException):
     """Raised in the main thread by SIGTERM (not an Exception: no fault handler catches it)."""
 
@@ -132,7 +139,7 @@ class EngineCoreProc:
         self.config = config
         self.engine_index = engine_index
         self.ctx = zmq.Context(io_threads=1)
-        self.input_queue: queue.Queue[CoreInput | _ExecutorFailed] = queue.Queue()
+        self.input_queue: queue.Queue[CoreInput | _ExecutorFailed | _Wake] = queue.Queue()
         # Unbounded on purpose: the busy loop must never block on output; the output thread
         # sends as fast as the socket allows and zmq's own high-water mark applies behind it.
         self.output_queue: queue.Queue[Any] = queue.Queue()
@@ -216,7 +223,8 @@ class EngineCoreProc:
     def start_core(self) -> bool:
         """Build the EngineCore and send the handshake; False (reason sent) on failure."""
         try:
-            self.core = EngineCore(self.config, self._executor_class, self.engine_index)
+            self.core = EngineCore(self.config, self._executor_class, self.engine_index,
+                                   wake=lambda: self.input_queue.put(_WAKE))
         except Exception as exc:  # reported to the frontend, which raises it
             self.output_queue.put(HandshakeReply(ready=False, error=describe(exc),
                                                  engine_index=self.engine_index))
@@ -261,9 +269,11 @@ class EngineCoreProc:
                 return
             self._handle(message)
 
-    def _handle(self, message: CoreInput | _ExecutorFailed) -> None:
+    def _handle(self, message: CoreInput | _ExecutorFailed | _Wake) -> None:
         core = self.core
         assert core is not None  # run_busy_loop checked it
+        if message is _WAKE:
+            return  # a grammar compiled: the loop's next step admits its request
         if isinstance(message, _ExecutorFailed):
             if message.executor is core.executor:
                 raise message.error  # an engine fault: the sentinel handles it

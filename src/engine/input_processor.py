@@ -14,7 +14,12 @@ from typing import Any, TypedDict
 from ringserve.config import ModelConfig
 from ringserve.engine.wire import EngineCoreRequest
 from ringserve.prompt_length import check_prompt_length
-from ringserve.sampling_params import INT64_MAX, INT64_MIN, SamplingParams
+from ringserve.sampling_params import (
+    INT64_MAX,
+    INT64_MIN,
+    SamplingParams,
+    StructuredOutputsParams,
+)
 from ringserve.typecheck import check_value
 
 _PROMPT_KEYS = frozenset(("prompt_token_ids", "prompt", "cache_salt"))
@@ -53,11 +58,14 @@ class InputProcessor:
     Args:
         model_config: the model (vocabulary size, max_model_len, max_logprobs).
         tokenizer: a transformers tokenizer, or None when prompts come as token ids only.
+        structured_backend: the grammar backend constraints are checked against.
     """
 
-    def __init__(self, model_config: ModelConfig, tokenizer: Any) -> None:
+    def __init__(self, model_config: ModelConfig, tokenizer: Any,
+                 structured_backend: str = "xgrammar") -> None:
         self.model_config = model_config
         self.tokenizer = tokenizer
+        self.structured_backend = structured_backend
 
     def process(
         self,
@@ -84,6 +92,8 @@ class InputProcessor:
             # It travels as a msgpack int64: a larger one would fail to encode after admission.
             raise ValueError(f"priority: got {priority}, allowed: an integer in [-2**63, 2**63)")
         params.verify_for_model(vocab_size=cfg.vocab_size, max_logprobs=cfg.max_logprobs)
+        if params.structured_outputs is not None:
+            self._check_constraint(params.structured_outputs)
         text, token_ids, cache_salt = self._tokenize(prompt)
         self._check_prompt(token_ids, params)
         request = EngineCoreRequest(
@@ -96,6 +106,16 @@ class InputProcessor:
             data_parallel_rank=data_parallel_rank,
         )
         return request, text
+
+    def _check_constraint(self, constraint: StructuredOutputsParams) -> None:
+        """A constraint the core's backend could not compile fails here, before sending.
+
+        Raises:
+            ValueError: naming the field and why (`structured_outputs.json: ...`).
+        """
+        from ringserve.engine.structured.validation import check_structured_outputs
+
+        check_structured_outputs(constraint, self.structured_backend)
 
     def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int], str | None]:
         if isinstance(prompt, str):

@@ -58,7 +58,9 @@ class LLMEngine:
     ) -> None:
         self.config = config
         self.tokenizer = load_tokenizer(config)
-        self.input_processor = InputProcessor(config.model_config, self.tokenizer)
+        self.input_processor = InputProcessor(
+            config.model_config, self.tokenizer,
+            config.structured_outputs_config.resolved_backend)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.engine_core = client if client is not None else _make_client(config, executor_class)
         obs = config.observability_config

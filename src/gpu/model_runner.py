@@ -14,12 +14,16 @@ both get a message in `request_errors` for this step; the rest of the batch goes
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Any
+
 import numpy as np
 import torch
 
 from ringserve.config import EngineConfig
 from ringserve.gpu.attention.backend import BackendName, select_backend
 from ringserve.gpu.bad_words import bad_words_encoder
+from ringserve.gpu.grammar_mask import apply_bitmask
 from ringserve.gpu.input_prep import StepInputs, prepare_inputs
 from ringserve.gpu.kv_cache import KVCacheSpec, allocate_kv_cache
 from ringserve.gpu.loader import load_model
@@ -31,7 +35,17 @@ from ringserve.gpu.request_state import RequestTable
 from ringserve.gpu.sampler import Sampler
 from ringserve.gpu.sampling_metadata import build_sampling_metadata
 from ringserve.gpu.validation import validate_request
-from ringserve.gpu.wire import ModelRunnerOutput, SchedulerOutput
+from ringserve.gpu.wire import GrammarOutput, ModelRunnerOutput, SchedulerOutput
+
+
+@dataclass(slots=True)
+class _ForwardDone:
+    """A step whose forward has run and that waits to be sampled."""
+
+    step_id: int
+    hidden: torch.Tensor | None  # None: no request of the step could run here
+    inputs: StepInputs | None
+    prompt_logprobs: Any
 
 
 class ModelRunner:
@@ -65,6 +79,7 @@ class ModelRunner:
         self._model: LlamaForCausalLM | None = None
         self.kv_caches: list[torch.Tensor] = []
         self.request_errors: dict[str, str] = {}
+        self._awaiting_grammar: _ForwardDone | None = None
 
     def _new_table(self) -> RequestTable:
         config = self.config
@@ -108,13 +123,15 @@ class ModelRunner:
         self._model = None
 
     @torch.inference_mode()
-    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
         """Run one scheduled step and sample.
 
         Returns:
             the sampled tokens per scheduled request (empty for prompt chunks before the
             last), logprobs and prompt logprobs; per-request failures are in
-            `self.request_errors` (see the module docstring).
+            `self.request_errors` (see the module docstring). None when the step has
+            constrained rows (`grammar_req_ids`): the forward ran, and `sample_tokens` with
+            the step's grammar bitmask samples it.
 
         Raises:
             ValueError: the schedule disagrees with the worker's state (an engine fault).
@@ -129,8 +146,11 @@ class ModelRunner:
             if r in self.table.requests and r not in self.request_errors
         ]
         if not req_ids:
-            return ModelRunnerOutput(step_id=scheduler_output.step_id,
-                                     request_errors=dict(self.request_errors))
+            empty = _ForwardDone(scheduler_output.step_id, None, None, None)
+            if scheduler_output.grammar_req_ids:
+                self._awaiting_grammar = empty  # its grammar still comes: answer that
+                return None
+            return self._finish(empty, None)
         num_scheduled = np.fromiter(
             (scheduler_output.num_scheduled_tokens[r] for r in req_ids), dtype=np.int32,
             count=len(req_ids),
@@ -140,11 +160,51 @@ class ModelRunner:
         prompt_logprobs = compute_prompt_logprobs(
             hidden, inputs, self.table, self.model.compute_logits, self.model_config.vocab_size
         )
-        output = self._sample(hidden, inputs)
-        output.prompt_logprobs = prompt_logprobs
-        output.step_id = scheduler_output.step_id
+        step = _ForwardDone(scheduler_output.step_id, hidden, inputs, prompt_logprobs)
+        if scheduler_output.grammar_req_ids:
+            self._awaiting_grammar = step  # sampled by `sample_tokens`, once the mask is here
+            return None
+        return self._finish(step, None)
+
+    @torch.inference_mode()
+    def sample_tokens(self, grammar: GrammarOutput) -> ModelRunnerOutput:
+        """Sample the step whose forward `execute_model` ran, its constrained rows masked
+        by `grammar` (the core's bitmask for the step).
+
+        Raises:
+            ValueError: no step waits for a grammar, or it is another step's.
+        """
+        step, self._awaiting_grammar = self._awaiting_grammar, None
+        if step is None or step.step_id != grammar.step_id:
+            raise ValueError(f"sample_tokens: a grammar for step {grammar.step_id}, but the "
+                             f"step waiting is {None if step is None else step.step_id}")
+        return self._finish(step, grammar)
+
+    def _finish(self, step: _ForwardDone, grammar: GrammarOutput | None) -> ModelRunnerOutput:
+        if step.hidden is None or step.inputs is None:
+            return ModelRunnerOutput(step_id=step.step_id, request_errors=dict(self.request_errors))
+        output = self._sample(step.hidden, step.inputs, grammar)
+        output.prompt_logprobs = step.prompt_logprobs
+        output.step_id = step.step_id
         output.request_errors = dict(self.request_errors)
         return output
+
+    def _apply_grammar(self, logits: torch.Tensor, req_ids: list[str], rows: np.ndarray[Any, Any],
+                       grammar: GrammarOutput) -> None:
+        """Mask the constrained rows' logits in place (before any sampling processor: a
+        masked token stays at -inf through penalties, biases and temperature)."""
+        position = {req_ids[r]: i for i, r in enumerate(rows.tolist())}
+        mask_rows, logit_rows = [], []
+        for j, rid in enumerate(grammar.req_ids):
+            i = position.get(rid)
+            if i is not None:  # absent: failed validation here, or not sampling this step
+                mask_rows.append(j)
+                logit_rows.append(i)
+        if not mask_rows:
+            return
+        bitmask = torch.from_numpy(np.ascontiguousarray(grammar.bitmask[mask_rows]))
+        apply_bitmask(logits, bitmask.to(logits.device),
+                      torch.tensor(logit_rows, dtype=torch.int64, device=logits.device))
 
     def _apply_diff(self, so: SchedulerOutput) -> None:
         for req_id in so.finished_req_ids:
@@ -164,13 +224,16 @@ class ModelRunner:
                 continue
             self.table.apply_cached(cached)
 
-    def _sample(self, hidden: torch.Tensor, inputs: StepInputs) -> ModelRunnerOutput:
+    def _sample(self, hidden: torch.Tensor, inputs: StepInputs,
+                grammar: GrammarOutput | None = None) -> ModelRunnerOutput:
         sampled: list[list[int]] = [[] for _ in inputs.req_ids]
         rows = np.flatnonzero(inputs.samples)
         if rows.size == 0:
             return ModelRunnerOutput(step_id=0, req_ids=inputs.req_ids, sampled_token_ids=sampled)
         slots = inputs.slots[rows]
         logits = self.model.compute_logits(hidden[inputs.logits_indices])
+        if grammar is not None and grammar.req_ids:
+            self._apply_grammar(logits, inputs.req_ids, rows, grammar)
         meta = build_sampling_metadata(
             self.table, slots, self.model_config.vocab_size, self.device
         )

@@ -89,6 +89,26 @@ class SchedulerOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fa
     total_num_scheduled_tokens: int = 0
     finished_req_ids: list[str] = []
     preempted_req_ids: list[str] = []
+    # Appended fields (array_like: order is the wire format; only append at the end).
+    # Constrained requests that sample this step: the workers run the forward, then wait for
+    # the step's `GrammarOutput` before sampling.
+    grammar_req_ids: list[str] = []
+
+
+class GrammarOutput(msgspec.Struct, array_like=True, gc=False):
+    """Core -> workers, after a step's forward was submitted: the grammar bitmask of its
+    constrained rows (computed on the core while the forward runs).
+
+    Attributes:
+        step_id: the step (`SchedulerOutput.step_id`) this masks.
+        req_ids: the constrained requests, one per bitmask row (the step's `grammar_req_ids`).
+        bitmask: int32 [len(req_ids), ceil(vocab / 32)]; bit `t % 32` of word `t // 32` set
+            when token `t` is allowed.
+    """
+
+    step_id: int
+    req_ids: list[str]
+    bitmask: np.ndarray[Any, Any]
 
 
 class ModelRunnerOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):

@@ -21,7 +21,7 @@ from ringserve.gpu.attention.backend import BackendName
 from ringserve.gpu.input_prep import prepare_inputs
 from ringserve.gpu.model_runner import ModelRunner
 from ringserve.gpu.parallel import TPGroup, init_tp_group
-from ringserve.gpu.wire import ModelRunnerOutput, NewRequestData, SchedulerOutput
+from ringserve.gpu.wire import GrammarOutput, ModelRunnerOutput, NewRequestData, SchedulerOutput
 from ringserve.sampling_params import SamplingParams
 
 DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30
@@ -144,9 +144,14 @@ class Worker:
         """0 awake, 1 without KV cache, 2 without KV cache and weights."""
         return self._sleep_level
 
-    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        """Run one step; per-request failures are in `request_errors` afterwards."""
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
+        """Run one step; per-request failures are in `request_errors` afterwards. None when
+        the step waits for its grammar (`sample_tokens`)."""
         return self.runner.execute_model(scheduler_output)
+
+    def sample_tokens(self, grammar: GrammarOutput) -> ModelRunnerOutput:
+        """Sample the step waiting for its grammar bitmask."""
+        return self.runner.sample_tokens(grammar)
 
     @property
     def request_errors(self) -> dict[str, str]:

@@ -91,8 +91,8 @@ GARBAGE_REQUESTS: list[tuple[int, Payload, str]] = [
     (FrameKind.RPC, [_body(SchedulerOutput(1))], "RPC frame"),
     (FrameKind.RPC, [msgspec.msgpack.encode([1, "ping", [msgspec.msgpack.Ext(
         1, msgspec.msgpack.encode(["<f4", [1], -1, b"abc"]))]])], "malformed array"),
-    (FrameKind.OUTPUT, [_body(ModelRunnerOutput(1))], "OUTPUT frame: not a step or a call"),
-    (7777, [_body(SchedulerOutput(1))], "unknown kind 7777 frame: not a step or a call"),
+    (FrameKind.OUTPUT, [_body(ModelRunnerOutput(1))], "OUTPUT frame: not a step, a grammar or a call"),
+    (7777, [_body(SchedulerOutput(1))], "unknown kind 7777 frame: not a step, a grammar or a call"),
 ]
 
 

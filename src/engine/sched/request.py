@@ -12,6 +12,7 @@ from __future__ import annotations
 import enum
 import itertools
 from collections.abc import Collection
+from typing import Any
 
 from ringserve.engine.wire import (
     EngineCoreEvent,
@@ -27,6 +28,7 @@ __all__ = ["Request", "RequestStatus"]
 class RequestStatus(enum.IntEnum):
     """Where a request is in its life; every status above PREEMPTED is final."""
 
+    WAITING_FOR_GRAMMAR = -1  # its structured-output grammar is compiling
     WAITING = 0
     RUNNING = 1
     PREEMPTED = 2
@@ -96,6 +98,7 @@ class Request:
         events: life-cycle events not yet sent (None when stats are off).
         stop_reason: the stop token id that ended it, if any.
         error: why it finished with FinishReason.ERROR.
+        grammar: its structured-output grammar (a `RequestGrammar`), or None.
     """
 
     __slots__ = (
@@ -107,6 +110,7 @@ class Request:
         "eos_ids",
         "error",
         "events",
+        "grammar",
         "max_tokens",
         "min_tokens",
         "num_cached_blocks",
@@ -177,6 +181,7 @@ class Request:
         self.events: list[EngineCoreEvent] | None = None
         self.stop_reason: int | None = None
         self.error: str | None = None
+        self.grammar: Any = None
 
     @classmethod
     def from_engine_core_request(

@@ -24,8 +24,9 @@ their step was scheduled are discarded.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from functools import partial
+from typing import Any, Protocol
 
 from ringserve.config import CacheConfig, SchedulerConfig
 from ringserve.engine.sched.admission import RequestLimits
@@ -42,11 +43,21 @@ from ringserve.engine.wire import (
     SchedulerStats,
 )
 from ringserve.gpu.wire import CachedRequestData, NewRequestData, SchedulerOutput
+from ringserve.sampling_params import StructuredOutputsParams
 
 __all__ = ["Scheduler"]
 
 _RUNNING = RequestStatus.RUNNING
 _PREEMPTED = RequestStatus.PREEMPTED
+
+
+class GrammarSource(Protocol):
+    """What compiles a constrained request's grammar (the core's StructuredOutputManager)."""
+
+    def grammar_for(self, params: StructuredOutputsParams,
+                    prompt_token_ids: Sequence[int]) -> Any:
+        """A grammar handle with `ready()`, `error`, `accept(tokens)` (see manager.py)."""
+        ...
 
 
 class _Step:
@@ -83,6 +94,8 @@ class Scheduler(OutputMixin):
             `ModelConfig.eos_token_ids`).
         log_stats: record life-cycle events and attach `SchedulerStats` to outputs.
         engine_index: this core's data-parallel rank, stamped on its outputs.
+        structured: compiles structured-output grammars (the core's
+            `StructuredOutputManager`); None refuses constrained requests.
 
     Raises:
         ValueError: a budget or limit below 1, or too few blocks.
@@ -97,6 +110,7 @@ class Scheduler(OutputMixin):
         eos_token_ids: Iterable[int] = (),
         log_stats: bool = True,
         engine_index: int = 0,
+        structured: GrammarSource | None = None,
     ) -> None:
         cfg = scheduler_config
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
@@ -126,6 +140,9 @@ class Scheduler(OutputMixin):
             enable_chunked_prefill=cfg.enable_chunked_prefill,
         )
         self.waiting = create_request_queue(cfg.policy)
+        self.structured = structured
+        # Constrained requests whose grammar is still compiling (not in `waiting` yet).
+        self.waiting_for_grammar: list[Request] = []
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self._step_id = 0
@@ -178,9 +195,20 @@ class Scheduler(OutputMixin):
             req.error = problem
             self._queue_output(req, FinishReason.ERROR)
             return
+        constraint = req.sampling_params.structured_outputs
+        if constraint is not None and self.structured is None:
+            req.status = RequestStatus.FINISHED_ERROR
+            req.error = "structured outputs are not available in this engine core"
+            self._queue_output(req, FinishReason.ERROR)
+            return
         self.kv_cache_manager.hash_request(req)
         self.requests[request_id] = req
-        self.waiting.add(req)
+        if constraint is not None and self.structured is not None:
+            req.grammar = self.structured.grammar_for(constraint, req.prompt_token_ids)
+            req.status = RequestStatus.WAITING_FOR_GRAMMAR
+            self.waiting_for_grammar.append(req)
+        else:
+            self.waiting.add(req)
         if self.log_stats:
             req.record_event(EngineCoreEventType.QUEUED, time.monotonic())
 
@@ -194,11 +222,27 @@ class Scheduler(OutputMixin):
             the others only what changed.
         """
         self._step_id += 1
+        if self.waiting_for_grammar:
+            self._admit_compiled()
         step = _Step(self._step_id, self.max_num_batched_tokens)
         self._schedule_running(step)
         if not step.preempted:
             self._schedule_waiting(step)
         return self._build_output(step)
+
+    def _admit_compiled(self) -> None:
+        """Move constrained requests whose grammar is ready into the waiting queue (in
+        arrival order); one whose grammar failed ends with its error."""
+        still: list[Request] = []
+        for req in self.waiting_for_grammar:
+            if not req.grammar.ready():
+                still.append(req)
+            elif req.grammar.error is not None:
+                self._fail(req, f"cannot be constrained: {req.grammar.error}")
+            else:
+                req.status = RequestStatus.WAITING
+                self.waiting.add(req)
+        self.waiting_for_grammar = still
 
     def _schedule_running(self, step: _Step) -> None:
         running = self.running
@@ -328,6 +372,7 @@ class Scheduler(OutputMixin):
 
     def _build_output(self, step: _Step) -> SchedulerOutput:
         num_scheduled = step.num_scheduled
+        grammar_ids: list[str] = []  # constrained requests that sample this step
         cached: list[CachedRequestData] = []
         append = cached.append
         for req, n, new_blocks in step.running:
@@ -341,6 +386,8 @@ class Scheduler(OutputMixin):
             req.num_computed_tokens = computed
             if computed >= len(req.all_token_ids) + req.num_output_placeholders:
                 req.num_output_placeholders += 1
+                if req.grammar is not None:
+                    grammar_ids.append(req.request_id)
         get_blocks = self.kv_cache_manager.get_block_ids
         for req in step.resumed:
             append(
@@ -352,7 +399,8 @@ class Scheduler(OutputMixin):
                     all_token_ids=list(req.all_token_ids),
                 )
             )
-            _advance(req, num_scheduled[req.request_id])
+            if _advance(req, num_scheduled[req.request_id]) and req.grammar is not None:
+                grammar_ids.append(req.request_id)
         new_reqs = []
         for req in step.new:
             new_reqs.append(
@@ -364,7 +412,8 @@ class Scheduler(OutputMixin):
                     req.num_computed_tokens,
                 )
             )
-            _advance(req, num_scheduled[req.request_id])
+            if _advance(req, num_scheduled[req.request_id]) and req.grammar is not None:
+                grammar_ids.append(req.request_id)
         finished = self._finished_req_ids
         self._finished_req_ids = []
         return SchedulerOutput(
@@ -375,6 +424,7 @@ class Scheduler(OutputMixin):
             total_num_scheduled_tokens=self.max_num_batched_tokens - step.budget,
             finished_req_ids=finished,
             preempted_req_ids=step.preempted,
+            grammar_req_ids=grammar_ids,
         )
 
     # -- finishing -----------------------------------------------------------------------------
@@ -412,6 +462,12 @@ class Scheduler(OutputMixin):
             self._free_request(req)
             if notify:
                 self._queue_output(req, reason)
+        if from_waiting and self.waiting_for_grammar:
+            compiling = {r for r in from_waiting if r in self.waiting_for_grammar}
+            if compiling:
+                self.waiting_for_grammar = [r for r in self.waiting_for_grammar
+                                            if r not in compiling]
+                from_waiting -= compiling
         if from_waiting:
             self.waiting.remove_many(from_waiting)
         if from_running:
@@ -475,7 +531,13 @@ class Scheduler(OutputMixin):
         return bool(self._pending_outputs)
 
     def has_requests(self) -> bool:
-        """True when the engine core should step: unfinished work or undelivered results."""
+        """True when the engine core should step: unfinished work or undelivered results
+        (a request whose grammar is still compiling does not count: the compile's end
+        wakes the core)."""
+        compiling = self.waiting_for_grammar
+        if compiling and len(self.requests) == len(compiling):
+            return any(r.grammar.ready() for r in compiling) or bool(
+                self._finished_req_ids or self._pending_outputs)
         return bool(self.requests or self._finished_req_ids or self._pending_outputs)
 
     def get_num_unfinished_requests(self) -> int:
@@ -515,7 +577,8 @@ class Scheduler(OutputMixin):
         waiting = list(self.waiting)
         if len(self.running) > self.max_num_seqs:
             raise AssertionError(f"{len(self.running)} running > max_num_seqs")
-        ids = [r.request_id for r in self.running] + [r.request_id for r in waiting]
+        ids = ([r.request_id for r in self.running] + [r.request_id for r in waiting]
+               + [r.request_id for r in self.waiting_for_grammar])
         if sorted(ids) != sorted(self.requests) or len(set(ids)) != len(ids):
             raise AssertionError("requests dict disagrees with running + waiting")
         for req in self.running:
@@ -534,9 +597,12 @@ class Scheduler(OutputMixin):
                 raise AssertionError(f"{req!r}: waiting but holds blocks")
 
 
-def _advance(req: Request, n: int) -> None:
-    """Book `n` scheduled tokens as computed; a step that reaches the end samples a token."""
+def _advance(req: Request, n: int) -> bool:
+    """Book `n` scheduled tokens as computed; a step that reaches the end samples a token
+    (returns True then)."""
     computed = req.num_computed_tokens + n
     req.num_computed_tokens = computed
     if computed >= len(req.all_token_ids) + req.num_output_placeholders:
         req.num_output_placeholders += 1
+        return True
+    return False

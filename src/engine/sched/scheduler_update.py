@@ -34,6 +34,7 @@ __all__ = ["OutputMixin", "append_tokens", "check_stop"]
 
 _RUNNING = RequestStatus.RUNNING
 _STOPPED = RequestStatus.FINISHED_STOPPED
+_ERROR = RequestStatus.FINISHED_ERROR
 _LENGTH = RequestStatus.FINISHED_LENGTH_CAPPED
 
 
@@ -119,6 +120,10 @@ class OutputMixin(ABC):
                 continue  # a prefill chunk: nothing to report yet
             else:
                 new_tokens = sampled
+            grammar = req.grammar
+            if grammar is not None and new_tokens and not grammar.accept(new_tokens):
+                req.status = _ERROR
+                req.error = f"request {request_id!r}: {grammar.error}"
             new_logprobs = None
             if logprobs is not None and req.wants_logprobs and new_tokens:
                 new_logprobs = _slice_logprobs(logprobs, start, start + len(new_tokens))
@@ -145,7 +150,7 @@ class OutputMixin(ABC):
                     new_logprobs,
                     new_prompt_logprobs,
                     status.finish_reason,
-                    req.stop_reason,
+                    req.error if status is _ERROR else req.stop_reason,
                     events,
                     req.num_cached_tokens,
                 )

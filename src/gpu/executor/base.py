@@ -15,7 +15,7 @@ from concurrent.futures import Future
 from typing import Any, Literal, overload
 
 from ringserve.config import EngineConfig
-from ringserve.gpu.wire import ModelRunnerOutput, SchedulerOutput
+from ringserve.gpu.wire import GrammarOutput, ModelRunnerOutput, SchedulerOutput
 
 
 class Executor(ABC):
@@ -89,7 +89,14 @@ class Executor(ABC):
 
     @abstractmethod
     def _submit_step(self, scheduler_output: SchedulerOutput) -> Future[ModelRunnerOutput]:
-        """Start one step; steps run in submission order."""
+        """Start one step; steps run in submission order. A step with `grammar_req_ids`
+        runs its forward and completes once `sample_tokens` has brought its bitmask."""
+
+    @abstractmethod
+    def sample_tokens(self, grammar: GrammarOutput) -> None:
+        """Hand a submitted step (`grammar.step_id`, which has `grammar_req_ids`) its grammar
+        bitmask: the workers mask the constrained rows and sample; the step's future
+        completes then."""
 
     @abstractmethod
     def collective_rpc(

@@ -40,7 +40,7 @@ import msgspec
 
 from ringserve.gpu.executor.pending import Pending
 from ringserve.gpu.executor.wire import FrameKind, RpcReply, RpcRequest, StepError
-from ringserve.gpu.wire import ModelRunnerOutput, SchedulerOutput
+from ringserve.gpu.wire import GrammarOutput, ModelRunnerOutput, SchedulerOutput
 from ringserve.serial import Buffer, MsgpackDecoder
 
 logger = logging.getLogger(__name__)
@@ -99,9 +99,11 @@ class RequestDecoder:
     def __init__(self) -> None:
         self._step = MsgpackDecoder(SchedulerOutput)
         self._rpc = MsgpackDecoder(RpcRequest)
+        self._grammar = MsgpackDecoder(GrammarOutput)
 
-    def decode(self, kind: int, bufs: Sequence[Buffer]) -> SchedulerOutput | RpcRequest:
-        """The message of a STEP or RPC frame (callers handle SHUTDOWN before).
+    def decode(self, kind: int, bufs: Sequence[Buffer],
+               ) -> SchedulerOutput | RpcRequest | GrammarOutput:
+        """The message of a STEP, RPC or GRAMMAR frame (callers handle SHUTDOWN before).
 
         Raises:
             DECODE_ERRORS: the frame is malformed or of another kind.
@@ -110,7 +112,9 @@ class RequestDecoder:
             return self._step.decode(bufs)
         if kind == FrameKind.RPC:
             return self._rpc.decode(bufs)
-        raise ValueError("not a step or a call")
+        if kind == FrameKind.GRAMMAR:
+            return self._grammar.decode(bufs)
+        raise ValueError("not a step, a grammar or a call")
 
 
 class ResponseHandler:

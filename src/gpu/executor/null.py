@@ -15,10 +15,12 @@ import zlib
 from concurrent.futures import Future
 from typing import Any
 
+import numpy as np
+
 from ringserve.config import EngineConfig
 from ringserve.gpu.executor.base import Executor
 from ringserve.gpu.executor.multiproc import MultiprocExecutor
-from ringserve.gpu.wire import ModelRunnerOutput, SchedulerOutput
+from ringserve.gpu.wire import GrammarOutput, ModelRunnerOutput, SchedulerOutput
 
 DEFAULT_NUM_BLOCKS = 4096
 FIRST_TOKEN_ID = 16
@@ -31,10 +33,13 @@ class NullModel:
         self._num_tokens: dict[str, int] = {}  # request id -> prompt + output tokens known
         self._seed: dict[str, int] = {}
         self._span = max(1, vocab_size - FIRST_TOKEN_ID)
+        self._vocab_size = vocab_size
         self.steps = 0
 
-    def run_step(self, so: SchedulerOutput) -> ModelRunnerOutput:
-        """The step's output."""
+    def run_step(self, so: SchedulerOutput, grammar: GrammarOutput | None = None,
+                 ) -> ModelRunnerOutput:
+        """The step's output; a constrained row takes the first token its bitmask allows at
+        or after the made-up one (cyclically), so constrained output is valid."""
         self.steps += 1
         for rid in so.finished_req_ids:
             self._num_tokens.pop(rid, None)
@@ -51,11 +56,15 @@ class NullModel:
                 self._num_tokens[cached.req_id] = len(cached.all_token_ids)
             computed[cached.req_id] = cached.num_computed_tokens
         req_ids = list(so.num_scheduled_tokens)
+        masks = {} if grammar is None else dict(zip(grammar.req_ids, grammar.bitmask,
+                                                    strict=True))
         sampled: list[list[int]] = []
         for rid in req_ids:
             known = self._num_tokens.get(rid, 0)
             if computed.get(rid, 0) + so.num_scheduled_tokens[rid] >= known:
                 token = FIRST_TOKEN_ID + (self._seed.get(rid, 0) + 31 * known) % self._span
+                if rid in masks:
+                    token = _allowed_from(masks[rid], token, self._vocab_size)
                 self._num_tokens[rid] = known + 1
                 sampled.append([token])
             else:
@@ -68,6 +77,17 @@ class NullModel:
         self._seed.clear()
 
 
+def _allowed_from(bitmask_row: np.ndarray[Any, Any], token: int, vocab_size: int) -> int:
+    """The first token at or after `token` (wrapping) whose bit is set; `token` if none."""
+    bits = np.unpackbits(np.ascontiguousarray(bitmask_row, dtype=np.int32).view(np.uint8),
+                         bitorder="little")[:vocab_size]
+    allowed = np.flatnonzero(bits)
+    if allowed.size == 0:
+        return token
+    after = allowed[allowed >= token]
+    return int(after[0] if after.size else allowed[0])
+
+
 class NullExecutor(Executor):
     """Answers every step immediately, in process.
 
@@ -78,6 +98,7 @@ class NullExecutor(Executor):
     def __init__(self, config: EngineConfig) -> None:
         super().__init__(config)
         self.model = NullModel(config.model_config.vocab_size)
+        self._awaiting_grammar: dict[int, tuple[SchedulerOutput, Future[ModelRunnerOutput]]] = {}
 
     def determine_num_blocks(self) -> int:
         return self.config.cache_config.num_gpu_blocks_override or DEFAULT_NUM_BLOCKS
@@ -87,8 +108,15 @@ class NullExecutor(Executor):
 
     def _submit_step(self, scheduler_output: SchedulerOutput) -> Future[ModelRunnerOutput]:
         future: Future[ModelRunnerOutput] = Future()
-        future.set_result(self.model.run_step(scheduler_output))
+        if scheduler_output.grammar_req_ids:
+            self._awaiting_grammar[scheduler_output.step_id] = (scheduler_output, future)
+        else:
+            future.set_result(self.model.run_step(scheduler_output))
         return future
+
+    def sample_tokens(self, grammar: GrammarOutput) -> None:
+        scheduler_output, future = self._awaiting_grammar.pop(grammar.step_id)
+        future.set_result(self.model.run_step(scheduler_output, grammar))
 
     def collective_rpc(
         self, method: str, args: tuple[Any, ...] = (), timeout: float | None = None
@@ -110,6 +138,7 @@ class NullWorker:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         self.model = NullModel(config.model_config.vocab_size)
+        self._awaiting: SchedulerOutput | None = None
 
     def init_device(self) -> None:
         """Nothing to select."""
@@ -124,9 +153,19 @@ class NullWorker:
     def initialize_kv_cache(self, num_blocks: int) -> None:
         """Nothing to allocate."""
 
-    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        """The null step."""
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
+        """The null step (None when it waits for its grammar)."""
+        if scheduler_output.grammar_req_ids:
+            self._awaiting = scheduler_output
+            return None
         return self.model.run_step(scheduler_output)
+
+    def sample_tokens(self, grammar: GrammarOutput) -> ModelRunnerOutput:
+        """The null step that waited for its grammar."""
+        scheduler_output, self._awaiting = self._awaiting, None
+        if scheduler_output is None or scheduler_output.step_id != grammar.step_id:
+            raise ValueError(f"sample_tokens: no step {grammar.step_id} waits for a grammar")
+        return self.model.run_step(scheduler_output, grammar)
 
     def sleep(self, level: int) -> None:
         """Nothing to free."""

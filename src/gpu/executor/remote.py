@@ -18,7 +18,7 @@ from ringserve.gpu.executor.base import Executor
 from ringserve.gpu.executor.errors import WorkerDiedError
 from ringserve.gpu.executor.pending import Pending
 from ringserve.gpu.executor.wire import FrameKind, RpcRequest
-from ringserve.gpu.wire import ModelRunnerOutput, SchedulerOutput
+from ringserve.gpu.wire import GrammarOutput, ModelRunnerOutput, SchedulerOutput
 from ringserve.serial import MsgpackEncoder
 
 
@@ -69,6 +69,14 @@ class RemoteWorkersExecutor(Executor):
                 self._pending.drop_last_step(future)
                 raise
         return future
+
+    def sample_tokens(self, grammar: GrammarOutput) -> None:
+        """Broadcast the step's bitmask (a GRAMMAR frame); rank 0 answers the step then."""
+        with self._send_lock:
+            try:
+                self._send(FrameKind.GRAMMAR, grammar)
+            except WorkerDiedError as exc:
+                self._pending.fail(exc)
 
     def collective_rpc(
         self, method: str, args: tuple[Any, ...] = (), timeout: float | None = None

@@ -12,7 +12,7 @@ from typing import Any
 
 from ringserve.config import EngineConfig
 from ringserve.gpu.executor.base import Executor
-from ringserve.gpu.wire import ModelRunnerOutput, SchedulerOutput
+from ringserve.gpu.wire import GrammarOutput, ModelRunnerOutput, SchedulerOutput
 
 
 class UniProcExecutor(Executor):
@@ -23,6 +23,8 @@ class UniProcExecutor(Executor):
         from ringserve.gpu.worker import Worker
 
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ringserve-step")
+        # Steps whose forward was submitted and that wait for their grammar bitmask.
+        self._awaiting_grammar: dict[int, tuple[Future[Any], Future[ModelRunnerOutput]]] = {}
         self.worker = Worker(config, rank=0, local_rank=0)
         self._call("init_device")
         self._call("load_model")
@@ -38,7 +40,21 @@ class UniProcExecutor(Executor):
         self.num_blocks = num_blocks
 
     def _submit_step(self, scheduler_output: SchedulerOutput) -> Future[ModelRunnerOutput]:
-        return self._thread.submit(self.worker.execute_model, scheduler_output)
+        forward = self._thread.submit(self.worker.execute_model, scheduler_output)
+        if not scheduler_output.grammar_req_ids:
+            return forward  # type: ignore[return-value]  # not None without grammar rows
+        result: Future[ModelRunnerOutput] = Future()
+        self._awaiting_grammar[scheduler_output.step_id] = (forward, result)
+        return result
+
+    def sample_tokens(self, grammar: GrammarOutput) -> None:
+        forward, result = self._awaiting_grammar.pop(grammar.step_id)
+
+        def sample() -> ModelRunnerOutput:
+            forward.result()  # the forward's error, if it failed
+            return self.worker.sample_tokens(grammar)
+
+        _chain(self._thread.submit(sample), result)
 
     def collective_rpc(
         self, method: str, args: tuple[Any, ...] = (), timeout: float | None = None
@@ -50,3 +66,16 @@ class UniProcExecutor(Executor):
 
     def shutdown(self) -> None:
         self._thread.shutdown(wait=True, cancel_futures=True)
+
+
+def _chain(source: Future[ModelRunnerOutput], target: Future[ModelRunnerOutput]) -> None:
+    """Complete `target` with `source`'s result or error."""
+
+    def done(f: Future[ModelRunnerOutput]) -> None:
+        error = f.exception()
+        if error is not None:
+            target.set_exception(error)
+        else:
+            target.set_result(f.result())
+
+    source.add_done_callback(done)

@@ -49,6 +49,7 @@ class FrameKind(enum.IntEnum):
     OUTPUT = 4
     RPC_REPLY = 5
     STEP_ERROR = 6
+    GRAMMAR = 7  # executor -> workers: the bitmask of a step that waits for it
 
 
 class WorkerSpec(msgspec.Struct, frozen=True):

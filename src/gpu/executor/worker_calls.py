@@ -11,6 +11,7 @@ import traceback
 from typing import Any
 
 from ringserve.gpu.executor.wire import FrameKind, RpcReply, RpcRequest, StepError
+from ringserve.gpu.wire import GrammarOutput
 from ringserve.serial import Buffer, MsgpackEncoder
 
 
@@ -19,15 +20,20 @@ def describe(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}"
 
 
-def step_reply(worker: Any, rank: int, scheduler_output: Any,
+def step_reply(worker: Any, rank: int, message: Any,
                encoder: MsgpackEncoder) -> tuple[FrameKind, list[Buffer]] | None:
-    """Run one step; the frame to send back (rank 0's output, or any rank's error), if any."""
+    """Run one step (a SchedulerOutput), or sample one that waited for its grammar (a
+    GrammarOutput); the frame to send back (rank 0's output, or any rank's error), if any.
+    A step with constrained rows answers nothing until its grammar has come."""
     try:
-        output = worker.execute_model(scheduler_output)
+        if isinstance(message, GrammarOutput):
+            output = worker.sample_tokens(message)
+        else:
+            output = worker.execute_model(message)
     except Exception as exc:
-        error = StepError(scheduler_output.step_id, rank, describe(exc), traceback.format_exc())
+        error = StepError(message.step_id, rank, describe(exc), traceback.format_exc())
         return FrameKind.STEP_ERROR, encoder.encode(error)
-    if rank == 0:
+    if rank == 0 and output is not None:
         return FrameKind.OUTPUT, encoder.encode(output)
     return None
 
@@ -48,8 +54,8 @@ def rpc_reply(worker: Any, rank: int, request: RpcRequest, encoder: MsgpackEncod
 
 def reply_to(worker: Any, rank: int, message: Any,
              encoder: MsgpackEncoder) -> tuple[FrameKind, list[Buffer]] | None:
-    """Serve one decoded request (an `RpcRequest`, else a SchedulerOutput); the frame to send
-    back, if any."""
+    """Serve one decoded request (an `RpcRequest`, else a SchedulerOutput or GrammarOutput);
+    the frame to send back, if any."""
     if isinstance(message, RpcRequest):
         return FrameKind.RPC_REPLY, rpc_reply(worker, rank, message, encoder)
     return step_reply(worker, rank, message, encoder)

@@ -1,0 +1,204 @@
+"""The engine core's structured outputs: grammars compiled off the busy loop, one matcher per
+request, and one packed bitmask per step.
+
+The scheduler asks `StructuredOutputManager.grammar_for(params, prompt)` when a constrained
+request arrives: compilation starts on a thread pool (cached by `StructuredOutputsParams.key()`,
+so a repeated schema compiles once) and the request waits in WAITING_FOR_GRAMMAR until its
+`RequestGrammar.ready()`; other requests keep running meanwhile, and the pool's completion
+wakes the busy loop (`wake`). The backend itself (xgrammar or llguidance, `backend.py`) is
+built on the pool too, on first use, from the model's tokenizer.
+
+Each step, after the forward was submitted, the core calls `bitmask(request_grammars)` for the
+step's constrained rows (`SchedulerOutput.grammar_req_ids`); the matchers advance as the
+scheduler appends sampled tokens (`RequestGrammar.accept`), so under async scheduling the mask
+of step N+1 is computed once step N's tokens are in. With a reasoning parser, tokens up to the
+end-of-thinking token are not constrained.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import numpy as np
+
+from ringserve.config import EngineConfig
+from ringserve.sampling_params import StructuredOutputsParams
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["AllowAll", "RequestGrammar", "StructuredOutputManager"]
+
+# The end-of-thinking token of each reasoning parser (constraints start after it).
+_REASONING_END = {"qwen3": ("<think>", "</think>"), "deepseek_r1": ("<think>", "</think>")}
+# Distinct compiled grammars kept (a dict in insertion order: the oldest is dropped first).
+_CACHE_SIZE = 256
+
+
+class RequestGrammar:
+    """One request's grammar: compiling, then a matcher that follows its sampled tokens.
+
+    Attributes:
+        error: why the request cannot be constrained (its compile failed, a token the grammar
+            forbids was sampled, or no token is allowed), once known.
+    """
+
+    __slots__ = ("_compiled", "_manager", "_matcher", "_prompt", "_reasoning_end", "error",
+                 "reasoning_ended")
+
+    def __init__(self, compiled: Future[tuple[Any, Any]], manager: StructuredOutputManager,
+                 prompt_token_ids: Sequence[int]) -> None:
+        self._compiled = compiled
+        self._manager = manager
+        self._prompt = prompt_token_ids
+        self._matcher: Any = None
+        self._reasoning_end: int | None = None
+        self.reasoning_ended = True
+        self.error: str | None = None
+
+    def ready(self) -> bool:
+        """True once compiled (or failed: then `error` says why); never blocks."""
+        if self._matcher is not None or self.error is not None:
+            return True
+        if not self._compiled.done():
+            return False
+        try:
+            backend, compiled = self._compiled.result()
+            self._matcher = backend.matcher(compiled)
+        except Exception as exc:
+            self.error = f"structured_outputs: {exc}"
+            return True
+        self._reasoning_end, self.reasoning_ended = self._manager.reasoning_state(self._prompt)
+        self._prompt = ()
+        return True
+
+    def accept(self, token_ids: Sequence[int]) -> bool:
+        """Advance by newly sampled tokens; False (and `error` set) on a forbidden one."""
+        matcher = self._matcher
+        if matcher is None:
+            return self.error is None
+        for token in token_ids:
+            if not self.reasoning_ended:
+                self.reasoning_ended = token == self._reasoning_end
+                continue
+            if matcher.is_terminated():
+                continue  # tokens after the end (ignore_eos): unconstrained
+            if not matcher.accept_token(token):
+                self.error = f"the sampled token {token} is not allowed by the grammar"
+                return False
+        return True
+
+    def fill(self, bitmask: Any, row: int) -> bool:
+        """Write the allowed tokens into `bitmask[row]` (left all-allowed while reasoning or
+        after the end); False (and `error` set) when the grammar allows no token."""
+        matcher = self._matcher
+        if matcher is None or not self.reasoning_ended or matcher.is_terminated():
+            return True
+        matcher.fill_bitmask(bitmask, row)
+        if not bool(bitmask[row].any()):
+            self.error = "the grammar allows no token here (it can never be completed)"
+            bitmask[row].fill_(-1)
+            return False
+        return True
+
+
+class AllowAll:
+    """A bitmask row that allows every token (a request that finished meanwhile)."""
+
+    error: str | None = None
+
+    def fill(self, bitmask: Any, row: int) -> bool:
+        """Leave the row all-allowed."""
+        return True
+
+
+class StructuredOutputManager:
+    """Compiles grammars for one engine core and builds each step's bitmask.
+
+    Args:
+        config: the engine configuration (backend, reasoning parser, model and tokenizer).
+        wake: called (from a pool thread) when a compile finishes, to wake an idle busy loop.
+    """
+
+    def __init__(self, config: EngineConfig, wake: Callable[[], None] | None = None) -> None:
+        self.config = config
+        self.wake = wake
+        self.vocab_size = config.model_config.vocab_size
+        self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="ringserve-grammar")
+        self._lock = threading.Lock()
+        self._backend: Future[Any] | None = None
+        self._cache: dict[tuple[Any, ...], Future[tuple[Any, Any]]] = {}
+        self._reasoning: tuple[int, int] | None = None  # (start, end) token ids
+
+    def _load_backend(self) -> Any:
+        from ringserve.engine.llm_engine import load_tokenizer
+        from ringserve.engine.structured.backend import create_backend
+
+        tokenizer = load_tokenizer(self.config)
+        if tokenizer is None:
+            raise ValueError("structured outputs need the model's tokenizer")
+        parser = self.config.structured_outputs_config.reasoning_parser
+        if parser is not None:
+            start, end = (tokenizer.convert_tokens_to_ids(t) for t in _REASONING_END[parser])
+            if not isinstance(end, int) or end == tokenizer.unk_token_id:
+                raise ValueError(f"reasoning parser {parser}: the tokenizer has no "
+                                 f"{_REASONING_END[parser][1]} token")
+            self._reasoning = (start, end)
+        return create_backend(self.config.structured_outputs_config.resolved_backend,
+                              tokenizer, self.vocab_size)
+
+    def _compile(self, params: StructuredOutputsParams) -> tuple[Any, Any]:
+        with self._lock:
+            if self._backend is None:
+                self._backend = self._pool.submit(self._load_backend)
+            backend_future = self._backend
+        backend = backend_future.result()
+        return backend, backend.compile(params)
+
+    def grammar_for(self, params: StructuredOutputsParams,
+                    prompt_token_ids: Sequence[int]) -> RequestGrammar:
+        """Start (or reuse) the compilation of a request's constraint; never blocks."""
+        key = params.key()
+        with self._lock:
+            future = self._cache.get(key)
+            if future is None or (future.done() and future.exception() is not None):
+                future = self._pool.submit(self._compile, params)
+                if self.wake is not None:
+                    wake = self.wake
+                    future.add_done_callback(lambda _: wake())
+                self._cache[key] = future
+                if len(self._cache) > _CACHE_SIZE:
+                    del self._cache[next(iter(self._cache))]
+        return RequestGrammar(future, self, prompt_token_ids)
+
+    def reasoning_state(self, prompt_token_ids: Sequence[int]) -> tuple[int | None, bool]:
+        """(the end-of-thinking token id, whether thinking has ended within the prompt: its
+        end token comes after its last start token); (None, True) without a reasoning
+        parser. Valid once the backend has loaded (any grammar is compiled)."""
+        if self._reasoning is None:
+            return None, True
+        start, end = self._reasoning
+        last_start = last_end = -1
+        for i, token in enumerate(prompt_token_ids):
+            if token == start:
+                last_start = i
+            elif token == end:
+                last_end = i
+        return end, last_end > last_start
+
+    def bitmask(self, grammars: Sequence[RequestGrammar | AllowAll],
+                ) -> tuple[np.ndarray[Any, Any], list[int]]:
+        """The packed bitmask of a step's constrained rows; with the rows whose grammar
+        allows no token (those requests must fail; their rows allow everything)."""
+        from ringserve.engine.structured.backend import allocate_bitmask
+
+        bitmask = allocate_bitmask(len(grammars), self.vocab_size)
+        dead = [row for row, grammar in enumerate(grammars) if not grammar.fill(bitmask, row)]
+        return bitmask.numpy(), dead
+
+    def shutdown(self) -> None:
+        """Stop the compile threads (compiles in progress finish)."""
+        self._pool.shutdown(wait=False, cancel_futures=True)
