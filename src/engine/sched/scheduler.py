@@ -6,7 +6,8 @@ Called by the engine core's busy loop: `add_request` / `finish_requests` between
 stop conditions and build the `EngineCoreOutputs` for the frontend clients. A thin policy over
 small managers: the waiting queue (`request_queue.py`), the KV cache manager
 (`kv_cache_manager.py`, over `block_pool.py`), admission limits (`admission.py`) and the
-output-side token handling (`scheduler_update.py`).
+output-side token handling (`scheduler_update.py`); how requests end and what the core asks
+of the books between steps is `scheduler_books.py`.
 
 Each step has one token budget (`max_num_batched_tokens`). Running requests are served first
 (decodes and unfinished chunked prefills, in admission order), then waiting ones, while
@@ -33,14 +34,12 @@ from ringserve.engine.sched.admission import RequestLimits
 from ringserve.engine.sched.kv_cache_manager import KVCacheManager
 from ringserve.engine.sched.request import Request, RequestStatus
 from ringserve.engine.sched.request_queue import create_request_queue
-from ringserve.engine.sched.scheduler_update import OutputMixin
+from ringserve.engine.sched.scheduler_books import BooksMixin
 from ringserve.engine.wire import (
     EngineCoreEventType,
     EngineCoreOutput,
-    EngineCoreOutputs,
     EngineCoreRequest,
     FinishReason,
-    SchedulerStats,
 )
 from ringserve.gpu.wire import CachedRequestData, NewRequestData, SchedulerOutput
 from ringserve.sampling_params import StructuredOutputsParams
@@ -82,7 +81,7 @@ class _Step:
             self.running = [entry for entry in self.running if entry[0] is not request]
 
 
-class Scheduler(OutputMixin):
+class Scheduler(BooksMixin):
     """Continuous batching with chunked prefill, preemption and prefix caching.
 
     Args:
@@ -165,14 +164,6 @@ class Scheduler(OutputMixin):
             ValueError: the request can never be served; the message says why.
         """
         self.limits.check(len(request.prompt_token_ids))
-
-    def reject_request(self, request: EngineCoreRequest, error: str | None) -> None:
-        """End a request that was never queued with a final output: ERROR carrying `error`
-        (it could not be added), or ABORT when `error` is None (it was held while paused);
-        a request in flight under the same id is left alone."""
-        reason = FinishReason.ABORT if error is None else FinishReason.ERROR
-        output = EngineCoreOutput(request.request_id, [], finish_reason=reason, stop_reason=error)
-        self._pending_outputs.append((request.client_index, output))
 
     def add_request(self, request: EngineCoreRequest) -> None:
         """Queue a request; one that can never be served finishes with an ERROR output.
@@ -426,176 +417,6 @@ class Scheduler(OutputMixin):
             preempted_req_ids=step.preempted,
             grammar_req_ids=grammar_ids,
         )
-
-    # -- finishing -----------------------------------------------------------------------------
-
-    def finish_requests(
-        self,
-        request_ids: str | Iterable[str],
-        reason: FinishReason = FinishReason.ABORT,
-        *,
-        notify: bool = False,
-    ) -> None:
-        """End requests now (aborts), freeing their blocks at once; unknown ids are ignored.
-
-        Args:
-            request_ids: one id or several.
-            reason: the finish reason (ABORT for client aborts, ERROR for engine faults).
-            notify: also send each one a final output (with the next `update_from_output()`
-                or `take_pending_outputs()`); the frontend does not need one for aborts it
-                asked for itself.
-        """
-        if isinstance(request_ids, str):
-            request_ids = (request_ids,)
-        status = RequestStatus.for_reason(reason)
-        from_waiting: set[Request] = set()
-        from_running = False
-        for request_id in request_ids:
-            req = self.requests.get(request_id)
-            if req is None:
-                continue
-            if req.status is _RUNNING:
-                from_running = True
-            else:
-                from_waiting.add(req)
-            req.status = status
-            self._free_request(req)
-            if notify:
-                self._queue_output(req, reason)
-        if from_waiting and self.waiting_for_grammar:
-            compiling = {r for r in from_waiting if r in self.waiting_for_grammar}
-            if compiling:
-                self.waiting_for_grammar = [r for r in self.waiting_for_grammar
-                                            if r not in compiling]
-                from_waiting -= compiling
-        if from_waiting:
-            self.waiting.remove_many(from_waiting)
-        if from_running:
-            self.running = [r for r in self.running if r.status is _RUNNING]
-
-    def abort_all(self, reason: FinishReason = FinishReason.ABORT,
-                  error: str | None = None) -> dict[int, EngineCoreOutputs]:
-        """End every request (engine fault), free all blocks, and return their final outputs.
-
-        Args:
-            reason: the finish reason of every request.
-            error: with ERROR, the message each request's final output carries.
-        """
-        if error is not None:
-            for req in self.requests.values():
-                req.error = error
-        self.finish_requests(list(self.requests), reason, notify=True)
-        return self.take_pending_outputs()
-
-    def _fail(self, req: Request, problem: str) -> None:
-        """End a request that can never be served with an ERROR output (already dequeued)."""
-        req.status = RequestStatus.FINISHED_ERROR
-        req.error = f"request {req.request_id!r} ({req.num_tokens} tokens) {problem}"
-        self._free_request(req)
-        self._queue_output(req, FinishReason.ERROR)
-
-    def _free_request(self, req: Request) -> None:
-        self.kv_cache_manager.free(req)
-        del self.requests[req.request_id]
-        if req.was_scheduled:
-            self._finished_req_ids.append(req.request_id)
-        by_client = self._finished_by_client.get(req.client_index)
-        if by_client is None:
-            self._finished_by_client[req.client_index] = [req.request_id]
-        else:
-            by_client.append(req.request_id)
-
-    def _queue_output(self, req: Request, reason: FinishReason) -> None:
-        output = EngineCoreOutput(
-            req.request_id,
-            [],
-            finish_reason=reason,
-            stop_reason=req.error if reason == FinishReason.ERROR else None,
-            events=req.take_events(),
-            num_cached_tokens=max(req.num_cached_tokens, 0),
-        )
-        self._pending_outputs.append((req.client_index, output))
-
-    # -- queries -------------------------------------------------------------------------------
-
-    def has_unfinished_requests(self) -> bool:
-        """True while any request is waiting or running."""
-        return bool(self.requests)
-
-    def has_finished_requests(self) -> bool:
-        """True when workers must still be told about finished requests."""
-        return bool(self._finished_req_ids)
-
-    def has_pending_outputs(self) -> bool:
-        """True when outputs made between steps (errors, notified aborts) wait to be sent."""
-        return bool(self._pending_outputs)
-
-    def has_requests(self) -> bool:
-        """True when the engine core should step: unfinished work or undelivered results
-        (a request whose grammar is still compiling does not count: the compile's end
-        wakes the core)."""
-        compiling = self.waiting_for_grammar
-        if compiling and len(self.requests) == len(compiling):
-            return any(r.grammar.ready() for r in compiling) or bool(
-                self._finished_req_ids or self._pending_outputs)
-        return bool(self.requests or self._finished_req_ids or self._pending_outputs)
-
-    def get_num_unfinished_requests(self) -> int:
-        """Waiting plus running requests."""
-        return len(self.requests)
-
-    def get_request_counts(self) -> tuple[int, int]:
-        """(running, waiting)."""
-        return len(self.running), len(self.waiting)
-
-    def reset_prefix_cache(self) -> bool:
-        """Forget every cached prefix (in-use blocks stay with their requests)."""
-        return self.kv_cache_manager.reset_prefix_cache()
-
-    def make_stats(self) -> SchedulerStats:
-        """A snapshot of the scheduler; prefix-cache and preemption counts are deltas since
-        the previous call (the frontend's counters add them up)."""
-        _, queries, hits = self.kv_cache_manager.take_stats()
-        preemptions = self._num_preemptions
-        self._num_preemptions = 0
-        flops, self.pending_flops = self.pending_flops, 0.0
-        return SchedulerStats(
-            num_running_reqs=len(self.running),
-            num_waiting_reqs=len(self.waiting),
-            kv_cache_usage=self.kv_cache_manager.usage,
-            prefix_cache_queries=queries,
-            prefix_cache_hits=hits,
-            num_preemptions=preemptions,
-            step_counter=self._step_id,
-            estimated_flops=flops,
-        )
-
-    def check_invariants(self) -> None:
-        """Raise AssertionError if the scheduler's books disagree (tests, debugging)."""
-        kv = self.kv_cache_manager
-        kv.check_invariants()
-        waiting = list(self.waiting)
-        if len(self.running) > self.max_num_seqs:
-            raise AssertionError(f"{len(self.running)} running > max_num_seqs")
-        ids = ([r.request_id for r in self.running] + [r.request_id for r in waiting]
-               + [r.request_id for r in self.waiting_for_grammar])
-        if sorted(ids) != sorted(self.requests) or len(set(ids)) != len(ids):
-            raise AssertionError("requests dict disagrees with running + waiting")
-        for req in self.running:
-            if req.status is not _RUNNING:
-                raise AssertionError(f"{req!r} in running list")
-            limit = req.num_tokens + req.num_output_placeholders
-            if not 0 < req.num_computed_tokens <= limit:
-                raise AssertionError(f"{req!r}: computed tokens out of range")
-            slots = len(kv.get_block_ids(req.request_id)) * self.block_size
-            if slots < req.num_computed_tokens:
-                raise AssertionError(f"{req!r}: {slots} slots for its computed tokens")
-        for req in waiting:
-            if req.status not in (RequestStatus.WAITING, _PREEMPTED):
-                raise AssertionError(f"{req!r} in waiting queue")
-            if kv.has_blocks(req.request_id) or req.num_computed_tokens:
-                raise AssertionError(f"{req!r}: waiting but holds blocks")
-
 
 def _advance(req: Request, n: int) -> bool:
     """Book `n` scheduled tokens as computed; a step that reaches the end samples a token
