@@ -5,6 +5,10 @@ them), checked against the context length, and run as one engine request with `n
 Streams send each choice's role delta first, then content deltas, the finish reason in the
 last delta, and (with `stream_options.include_usage`) a usage chunk. `echo` repeats the last
 message's content when it has the reply's role (vLLM's rule, for continue_final_message).
+`tools` go into the template and, by `tool_choice`, become a constraint and a tool parser
+(`ringserve.http.tool_parsers.request`); with a reasoning parser or a tool parser each
+choice's text is split into reasoning, content and tool calls (`ringserve.http.chat_output`),
+streamed as OpenAI's deltas; finish_reason is `tool_calls` when calls were made.
 """
 
 from __future__ import annotations
@@ -14,10 +18,11 @@ import time
 from starlette.requests import Request
 from starlette.responses import Response
 
+from ringserve.http.chat_output import ChatOutputPlan, ChoiceOutput
 from ringserve.http.chat_template import conversation_of, render_chat
 from ringserve.http.context import AppContext, request_id_of
 from ringserve.http.errors import bad_request
-from ringserve.http.generation import Job, check_admission, make_job, run_jobs
+from ringserve.http.generation import Job, check_admission, check_constraint, make_job, run_jobs
 from ringserve.http.logprobs import chat_logprobs, prompt_logprobs
 from ringserve.http.protocol import ChatCompletionRequest
 from ringserve.http.responses import (
@@ -31,8 +36,9 @@ from ringserve.http.responses import (
     json_response,
     usage,
 )
-from ringserve.http.sampling import build_params
+from ringserve.http.sampling import build_params, structured_outputs_of
 from ringserve.http.streaming import Emit, SSEResponse
+from ringserve.http.tool_parsers.request import ToolPlan, plan_tools
 from ringserve.outputs import CompletionOutput, RequestOutput
 from ringserve.sampling_params import SamplingParams
 
@@ -50,28 +56,29 @@ class Chat:
         ctx = self.ctx
         req = await ctx.parse(request, ChatCompletionRequest)
         ctx.check_model(req.model)
-        format_type = (req.response_format or {}).get("type", "text")
-        if format_type != "text":
-            raise bad_request(f"response_format: type {format_type!r} is not supported; "
-                              "allowed: text", "response_format")
+        tools = plan_tools(req, enable_auto_tool_choice=ctx.settings.enable_auto_tool_choice,
+                           tool_call_parser=ctx.settings.tool_call_parser)
         conversation = conversation_of(req.messages)
         text = render_chat(ctx, conversation, add_generation_prompt=req.add_generation_prompt,
                            continue_final_message=req.continue_final_message,
-                           template_kwargs=req.chat_template_kwargs)
+                           template_kwargs=req.chat_template_kwargs, tools=tools.tools)
         token_ids = await ctx.tokenize(text, add_special_tokens=req.add_special_tokens)
+        config = ctx.engine.config
         job = make_job(f"chatcmpl-{request_id_of(request, req.request_id)}",
                        {"prompt_token_ids": token_ids, "prompt": text},
-                       self._params(req), req, ctx.engine.config.model_config)
+                       self._params(req, tools), req, config.model_config)
         check_admission(ctx.engine, [job])
+        plan = ChatOutputPlan(config.structured_outputs_config.reasoning_parser, tools, text)
         echo = ""
         last = conversation[-1]
         if req.echo and last["role"] == (ROLE if req.add_generation_prompt else last["role"]):
-            echo = last["content"]
+            echo = str(last["content"])
         if req.stream:
-            return SSEResponse(lambda emit: self._stream(req, job, echo, emit))
-        return await self._full(request, req, job, echo)
+            check_constraint(job.params, config.structured_outputs_config.resolved_backend)
+            return SSEResponse(lambda emit: self._stream(req, job, plan, echo, emit))
+        return await self._full(request, req, job, plan, echo)
 
-    def _params(self, req: ChatCompletionRequest) -> SamplingParams:
+    def _params(self, req: ChatCompletionRequest, tools: ToolPlan) -> SamplingParams:
         num_logprobs = None
         if req.logprobs:
             num_logprobs = req.top_logprobs or 0
@@ -79,8 +86,13 @@ class Chat:
             raise bad_request("top_logprobs: only with logprobs=true", "top_logprobs")
         max_tokens = (req.max_completion_tokens if req.max_completion_tokens is not None
                       else req.max_tokens)
-        return build_params(req, self.ctx.engine.config.model_config, max_tokens=max_tokens,
-                            logprobs=num_logprobs, prompt_logprobs=req.prompt_logprobs)
+        constraint = tools.constraint or structured_outputs_of(req)
+        params = build_params(req, self.ctx.engine.config.model_config, max_tokens=max_tokens,
+                              logprobs=num_logprobs, prompt_logprobs=req.prompt_logprobs,
+                              structured_outputs=constraint)
+        if tools.needs_special_tokens and params.skip_special_tokens:
+            params = params.clone(skip_special_tokens=False)  # the markup is a special token
+        return params
 
     def _logprobs(self, req: ChatCompletionRequest, out: CompletionOutput) -> ChatLogprobs | None:
         if not req.logprobs or out.logprobs is None:
@@ -89,7 +101,7 @@ class Chat:
                                                   out.logprobs, req.top_logprobs or 0))
 
     async def _full(self, request: Request, req: ChatCompletionRequest, job: Job,
-                    echo: str) -> Response:
+                    plan: ChatOutputPlan, echo: str) -> Response:
         final: list[RequestOutput] = []
 
         async def keep(index: int, output: RequestOutput) -> None:
@@ -98,11 +110,8 @@ class Chat:
         if not await run_jobs(self.ctx.engine, [job], keep, request.receive):
             return Response(status_code=499)  # the client left; nobody reads this
         output = final[-1]
-        choices = [
-            ChatChoice(index=out.index, message=ChatMessageOut(role=ROLE, content=echo + out.text),
-                       logprobs=self._logprobs(req, out), finish_reason=out.finish_reason,
-                       stop_reason=out.stop_reason)
-            for out in sorted(output.outputs, key=lambda o: o.index)]
+        choices = [self._choice(req, plan, out, echo)
+                   for out in sorted(output.outputs, key=lambda o: o.index)]
         completion_tokens = sum(len(out.token_ids) for out in output.outputs)
         return json_response(ChatCompletionResponse(
             id=job.request_id, created=int(time.time()), model=self.ctx.model_name,
@@ -110,11 +119,24 @@ class Chat:
             prompt_logprobs=(prompt_logprobs(output.prompt_logprobs)
                              if req.prompt_logprobs is not None else None)))
 
-    async def _stream(self, req: ChatCompletionRequest, job: Job, echo: str,
-                      emit: Emit) -> None:
+    def _choice(self, req: ChatCompletionRequest, plan: ChatOutputPlan, out: CompletionOutput,
+                echo: str) -> ChatChoice:
+        finish_reason = out.finish_reason
+        if plan.parses:
+            parsed = plan.choice()
+            message = parsed.message(out.text, ROLE, echo)
+            finish_reason = parsed.finish_reason(finish_reason)
+        else:
+            message = ChatMessageOut(role=ROLE, content=echo + out.text)
+        return ChatChoice(index=out.index, message=message, logprobs=self._logprobs(req, out),
+                          finish_reason=finish_reason, stop_reason=out.stop_reason)
+
+    async def _stream(self, req: ChatCompletionRequest, job: Job, plan: ChatOutputPlan,
+                      echo: str, emit: Emit) -> None:
         created = int(time.time())
         model = self.ctx.model_name
         completion_tokens = 0
+        parsers: dict[int, ChoiceOutput] = {}
 
         def chunk(choice: ChatStreamChoice | None) -> ChatCompletionChunk:
             return ChatCompletionChunk(
@@ -135,10 +157,20 @@ class Chat:
                 if not (out.text or out.token_ids or out.finish_reason):
                     continue
                 completion_tokens += len(out.token_ids)
+                delta = DeltaMessage(content=out.text)
+                finish_reason = out.finish_reason
+                if plan.parses:
+                    parser = parsers.setdefault(out.index, plan.choice())
+                    parsed = parser.feed(out.text)
+                    if finish_reason is not None:
+                        parsed.extend(parser.finish())
+                        finish_reason = parser.finish_reason(finish_reason)
+                    delta = parsed.delta()
+                    if delta == DeltaMessage() and finish_reason is None and not req.logprobs:
+                        continue  # all held back (a marker may be starting)
                 await emit(chunk(ChatStreamChoice(
-                    index=out.index, delta=DeltaMessage(content=out.text),
-                    logprobs=self._logprobs(req, out), finish_reason=out.finish_reason,
-                    stop_reason=out.stop_reason)))
+                    index=out.index, delta=delta, logprobs=self._logprobs(req, out),
+                    finish_reason=finish_reason, stop_reason=out.stop_reason)))
 
         await run_jobs(self.ctx.engine, [job], send)
         if req.include_usage:

@@ -18,6 +18,7 @@ from ringserve import envs
 from ringserve.config import EngineConfig
 from ringserve.engine.arg_utils import parse_bytes
 from ringserve.http.settings import DEFAULT_MAX_REQUEST_BODY_BYTES, ServeSettings
+from ringserve.http.tool_parsers import TOOL_PARSERS, check_tool_parser
 
 _DEFAULTS = ServeSettings()
 
@@ -47,6 +48,12 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
                        default=DEFAULT_MAX_REQUEST_BODY_BYTES,
                        help="larger request bodies get 413, e.g. 16MiB "
                             f"(default: {DEFAULT_MAX_REQUEST_BODY_BYTES})")
+    group.add_argument("--enable-auto-tool-choice", action="store_true",
+                       help='serve tool_choice "auto" (the default with tools): the model '
+                            "decides, --tool-call-parser reads its calls")
+    group.add_argument("--tool-call-parser", default=None,
+                       help="how the model writes tool calls: "
+                            f"{', '.join(sorted(TOOL_PARSERS))}")
     group.add_argument("--shutdown-timeout", type=float, default=_DEFAULTS.shutdown_timeout,
                        help="seconds in-flight requests may take to finish after SIGTERM/SIGINT "
                             f"(default: {_DEFAULTS.shutdown_timeout:g})")
@@ -72,6 +79,12 @@ def settings_from_args(ns: argparse.Namespace, engine_config: EngineConfig) -> S
     if not (math.isfinite(ns.shutdown_timeout) and ns.shutdown_timeout >= 0):
         raise ValueError(f"--shutdown-timeout: got {ns.shutdown_timeout}, allowed: seconds >= 0")
     certfile, keyfile = _tls_files(ns.certfile, ns.keyfile)
+    parser = ns.tool_call_parser
+    if parser is not None:
+        check_tool_parser(parser)
+    if ns.enable_auto_tool_choice and parser is None:
+        raise ValueError("--enable-auto-tool-choice needs --tool-call-parser (allowed: "
+                         f"{', '.join(sorted(TOOL_PARSERS))})")
     return ServeSettings(
         host=ns.host,
         port=ns.port,
@@ -84,6 +97,8 @@ def settings_from_args(ns: argparse.Namespace, engine_config: EngineConfig) -> S
         certfile=certfile,
         keyfile=keyfile,
         enable_log_requests=engine_config.observability_config.enable_log_requests,
+        enable_auto_tool_choice=ns.enable_auto_tool_choice,
+        tool_call_parser=parser,
     )
 
 

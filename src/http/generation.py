@@ -21,6 +21,7 @@ from starlette.types import Receive
 from ringserve.config import ModelConfig
 from ringserve.engine.async_llm import AsyncLLM
 from ringserve.engine.input_processor import TokensPrompt
+from ringserve.engine.structured.validation import check_structured_outputs
 from ringserve.http.errors import bad_request
 from ringserve.http.protocol import SamplingRequest
 from ringserve.http.sampling import resolve_max_tokens
@@ -70,6 +71,18 @@ def make_job(request_id: str, prompt: TokensPrompt, params: SamplingParams,
     if max_tokens != requested:
         params = params.clone(max_tokens=max_tokens)
     return Job(request_id, prompt, params, req.priority)
+
+
+def check_constraint(params: SamplingParams, backend: str) -> None:
+    """The input processor's grammar check, run before a stream starts, so a constraint the
+    backend cannot compile is a 400 rather than an error chunk (plain responses get the same
+    ValueError from `generate`).
+
+    Raises:
+        ValueError: the constraint is invalid (the message names the field).
+    """
+    if params.structured_outputs is not None:
+        check_structured_outputs(params.structured_outputs, backend)
 
 
 def check_admission(engine: AsyncLLM, jobs: list[Job]) -> None:

@@ -5,7 +5,10 @@ msgspec Structs decoded with `msgspec.json`, so a wrong type is reported with it
 `SamplingParams` checks them with messages that name the field and the allowed values.
 Numeric fields are nullable (clients send `null` for "default") and get their defaults when
 the SamplingParams are built (`ringserve.http.sampling`). Unknown fields are ignored, as
-OpenAI's clients send fields this server does not use (`user`, `tools` ...).
+OpenAI's clients send fields this server does not use (`user`, `metadata` ...).
+Constrained output comes as OpenAI's `response_format` or vLLM's `structured_outputs` (both
+routes), tools as OpenAI's `tools` / `tool_choice` (chat); their meaning is checked where they
+are turned into SamplingParams (`ringserve.http.sampling`, `ringserve.http.tool_parsers`).
 """
 
 from __future__ import annotations
@@ -25,6 +28,42 @@ class StreamOptions(msgspec.Struct, kw_only=True):
 
     include_usage: bool | None = True
     continuous_usage_stats: bool | None = False
+
+
+class JsonSchemaFormat(msgspec.Struct, kw_only=True):
+    """`response_format.json_schema`: OpenAI's named schema (`strict` is accepted; the
+    grammar mask always enforces the schema)."""
+
+    name: str
+    schema: dict[str, Any] | None = None
+    strict: bool | None = None
+    description: str | None = None
+
+
+class ResponseFormat(msgspec.Struct, kw_only=True):
+    """`response_format`: `{"type": "text" | "json_object" | "json_schema" |
+    "structural_tag", ...}`; a structural tag is vLLM's shape (`structures` and `triggers`,
+    or xgrammar's `format`)."""
+
+    type: str
+    json_schema: JsonSchemaFormat | None = None
+    structures: list[dict[str, Any]] | None = None
+    triggers: list[str] | None = None
+    format: dict[str, Any] | None = None
+
+
+class StructuredOutputsRequest(msgspec.Struct, kw_only=True):
+    """vLLM's extra body field `structured_outputs` (`SamplingParams.structured_outputs`'s
+    fields; a structural tag as JSON text or an object)."""
+
+    json: str | dict[str, Any] | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    structural_tag: str | dict[str, Any] | None = None
+    whitespace_pattern: str | None = None
+    disable_any_whitespace: bool = False
 
 
 class SamplingRequest(msgspec.Struct, kw_only=True):
@@ -57,6 +96,8 @@ class SamplingRequest(msgspec.Struct, kw_only=True):
     priority: Int64 = 0
     request_id: str | None = None
     cache_salt: str | None = None
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsRequest | None = None
 
     @property
     def include_usage(self) -> bool:
@@ -91,12 +132,61 @@ class ContentPart(msgspec.Struct, kw_only=True):
     text: str | None = None
 
 
+class FunctionCall(msgspec.Struct, kw_only=True):
+    """The function of an assistant message's tool call (`arguments`: JSON text)."""
+
+    name: str
+    arguments: str
+
+
+class ToolCallIn(msgspec.Struct, kw_only=True):
+    """A tool call of an earlier assistant message."""
+
+    id: str | None = None
+    type: str = "function"
+    function: FunctionCall
+
+
 class ChatMessage(msgspec.Struct, kw_only=True):
-    """One chat message."""
+    """One chat message: an assistant's may carry `tool_calls` (and its earlier
+    `reasoning`), a `tool` message answers the call `tool_call_id`."""
 
     role: str
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCallIn] | None = None
+    tool_call_id: str | None = None
+    reasoning: str | None = None
+    reasoning_content: str | None = None
+
+
+class FunctionDefinition(msgspec.Struct, kw_only=True):
+    """A tool's function: `parameters` is a JSON schema of its arguments."""
+
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ToolDefinition(msgspec.Struct, kw_only=True):
+    """One entry of `tools` (only `function` tools exist)."""
+
+    type: str = "function"
+    function: FunctionDefinition
+
+
+class NamedFunction(msgspec.Struct, kw_only=True):
+    """The function a named `tool_choice` picks."""
+
+    name: str
+
+
+class NamedToolChoice(msgspec.Struct, kw_only=True):
+    """`tool_choice: {"type": "function", "function": {"name": ...}}`."""
+
+    type: str = "function"
+    function: NamedFunction
 
 
 class ChatCompletionRequest(SamplingRequest, kw_only=True):
@@ -112,7 +202,9 @@ class ChatCompletionRequest(SamplingRequest, kw_only=True):
     continue_final_message: bool = False
     add_special_tokens: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
-    response_format: dict[str, Any] | None = None
+    tools: list[ToolDefinition] | None = None
+    tool_choice: str | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = True
 
 
 class TokenizeRequest(msgspec.Struct, kw_only=True):

@@ -92,11 +92,29 @@ class ChatLogprobs(msgspec.Struct, kw_only=True):
     content: list[LogprobEntry] | None = None
 
 
+class FunctionCallOut(msgspec.Struct, kw_only=True):
+    """The function of a tool call: `arguments` is JSON text."""
+
+    name: str
+    arguments: str
+
+
+class ToolCallOut(msgspec.Struct, kw_only=True):
+    """A tool call of the assistant's message."""
+
+    id: str
+    type: str = "function"
+    function: FunctionCallOut
+
+
 class ChatMessageOut(msgspec.Struct, kw_only=True):
-    """The assistant's message of a chat choice."""
+    """The assistant's message of a chat choice: `reasoning` (vLLM's current name; it was
+    `reasoning_content`) with a reasoning parser, `tool_calls` when the model called tools."""
 
     role: str = "assistant"
     content: str | None = None
+    reasoning: str | None = None
+    tool_calls: list[ToolCallOut] = msgspec.field(default_factory=list)
 
 
 class ChatChoice(msgspec.Struct, kw_only=True):
@@ -121,11 +139,30 @@ class ChatCompletionResponse(msgspec.Struct, kw_only=True):
     prompt_logprobs: PromptLogprobs | None = None
 
 
+class DeltaFunction(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """A tool call's function in a stream: the name first, then argument fragments."""
+
+    name: str | None = None
+    arguments: str | None = None
+
+
+class DeltaToolCall(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """A piece of a tool call in a stream (OpenAI's shape): the first piece of call `index`
+    carries its `id`, `type` and name, later ones argument fragments."""
+
+    index: int
+    id: str | None = None
+    type: str | None = None
+    function: DeltaFunction | None = None
+
+
 class DeltaMessage(msgspec.Struct, kw_only=True, omit_defaults=True):
     """What a chat stream chunk adds to a choice's message (role only in the first)."""
 
     role: str | None = None
     content: str | None = None
+    reasoning: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatStreamChoice(msgspec.Struct, kw_only=True):

@@ -32,6 +32,8 @@ class ServeSettings:
         shutdown_timeout: seconds in-flight requests may take to finish after SIGTERM.
         certfile, keyfile: TLS (h2 by ALPN) when both are given.
         enable_log_requests: log one line per request.
+        enable_auto_tool_choice: `tool_choice: "auto"` is served (with `tool_call_parser`).
+        tool_call_parser: the parser of auto tool calls (`ringserve.http.tool_parsers`).
     """
 
     host: str = "127.0.0.1"
@@ -45,6 +47,8 @@ class ServeSettings:
     certfile: str | None = None
     keyfile: str | None = None
     enable_log_requests: bool = False
+    enable_auto_tool_choice: bool = False
+    tool_call_parser: str | None = None
 
 
 @dataclass

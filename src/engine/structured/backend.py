@@ -14,6 +14,7 @@ to the model's `vocab_size` are never allowed.
 from __future__ import annotations
 
 import importlib
+from collections.abc import Sequence
 from typing import Any, Protocol
 
 import torch
@@ -80,7 +81,8 @@ def allocate_bitmask(rows: int, vocab_size: int) -> torch.Tensor:
     return torch.full((rows, bitmask_words(vocab_size)), -1, dtype=torch.int32)
 
 
-def create_backend(name: str, tokenizer: Any, vocab_size: int) -> StructuredOutputBackend:
+def create_backend(name: str, tokenizer: Any, vocab_size: int,
+                   stop_token_ids: Sequence[int] | None = None) -> StructuredOutputBackend:
     """The backend `name` ("xgrammar" or "guidance") for a transformers tokenizer.
 
     Args:
@@ -88,6 +90,8 @@ def create_backend(name: str, tokenizer: Any, vocab_size: int) -> StructuredOutp
         tokenizer: the model's transformers tokenizer.
         vocab_size: the model's vocabulary size (the logits' width; may exceed the
             tokenizer's).
+        stop_token_ids: the ids that end generation (the model's EOS ids, from config.json
+            and generation_config.json); default the tokenizer's EOS.
 
     Raises:
         ValueError: an unknown backend.
@@ -97,6 +101,7 @@ def create_backend(name: str, tokenizer: Any, vocab_size: int) -> StructuredOutp
         raise ValueError(f"structured outputs backend: got {name!r}, allowed: "
                          f"{', '.join(BACKENDS)}")
     module, cls = target.split(":")
+    stops = None if stop_token_ids is None else list(stop_token_ids)
     backend: StructuredOutputBackend = getattr(importlib.import_module(module), cls)(
-        tokenizer, vocab_size)
+        tokenizer, vocab_size, stops)
     return backend

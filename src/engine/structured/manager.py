@@ -92,16 +92,12 @@ class RequestGrammar:
         return True
 
     def fill(self, bitmask: Any, row: int) -> bool:
-        """Write the allowed tokens into `bitmask[row]` (left all-allowed while reasoning or
-        after the end); False (and `error` set) when the grammar allows no token."""
+        """Write the allowed tokens into `bitmask[row]`; False (the row left all-allowed)
+        while reasoning or after the grammar's end."""
         matcher = self._matcher
         if matcher is None or not self.reasoning_ended or matcher.is_terminated():
-            return True
-        matcher.fill_bitmask(bitmask, row)
-        if not bool(bitmask[row].any()):
-            self.error = "the grammar allows no token here (it can never be completed)"
-            bitmask[row].fill_(-1)
             return False
+        matcher.fill_bitmask(bitmask, row)
         return True
 
 
@@ -112,7 +108,7 @@ class AllowAll:
 
     def fill(self, bitmask: Any, row: int) -> bool:
         """Leave the row all-allowed."""
-        return True
+        return False
 
 
 class StructuredOutputManager:
@@ -129,7 +125,8 @@ class StructuredOutputManager:
         self.vocab_size = config.model_config.vocab_size
         self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="ringserve-grammar")
         self._lock = threading.Lock()
-        self._backend: Future[Any] | None = None
+        self._backend_lock = threading.Lock()
+        self._backend: Any = None
         self._cache: dict[tuple[Any, ...], Future[tuple[Any, Any]]] = {}
         self._reasoning: tuple[int, int] | None = None  # (start, end) token ids
 
@@ -147,15 +144,17 @@ class StructuredOutputManager:
                 raise ValueError(f"reasoning parser {parser}: the tokenizer has no "
                                  f"{_REASONING_END[parser][1]} token")
             self._reasoning = (start, end)
+        stops = sorted(self.config.model_config.eos_token_ids) or None
         return create_backend(self.config.structured_outputs_config.resolved_backend,
-                              tokenizer, self.vocab_size)
+                              tokenizer, self.vocab_size, stops)
 
     def _compile(self, params: StructuredOutputsParams) -> tuple[Any, Any]:
-        with self._lock:
+        # The first compile loads the backend on its own pool thread (never by submitting to
+        # the pool and waiting: with every worker waiting so, nothing would run it).
+        with self._backend_lock:
             if self._backend is None:
-                self._backend = self._pool.submit(self._load_backend)
-            backend_future = self._backend
-        backend = backend_future.result()
+                self._backend = self._load_backend()
+            backend = self._backend
         return backend, backend.compile(params)
 
     def grammar_for(self, params: StructuredOutputsParams,
@@ -192,11 +191,23 @@ class StructuredOutputManager:
     def bitmask(self, grammars: Sequence[RequestGrammar | AllowAll],
                 ) -> tuple[np.ndarray[Any, Any], list[int]]:
         """The packed bitmask of a step's constrained rows; with the rows whose grammar
-        allows no token (those requests must fail; their rows allow everything)."""
+        allows no token (those requests must fail: their rows are left all-allowed, and
+        their grammar's `error` says why)."""
         from ringserve.engine.structured.backend import allocate_bitmask
 
         bitmask = allocate_bitmask(len(grammars), self.vocab_size)
-        dead = [row for row, grammar in enumerate(grammars) if not grammar.fill(bitmask, row)]
+        filled = [row for row, grammar in enumerate(grammars) if grammar.fill(bitmask, row)]
+        dead: list[int] = []
+        if filled:
+            # One vectorized check: per row it would cost more than the fill itself.
+            empty = ~bitmask[filled].any(dim=1)
+            if bool(empty.any()):
+                dead = [filled[i] for i in empty.nonzero().flatten().tolist()]
+                for row in dead:
+                    bitmask[row].fill_(-1)
+                    grammar = grammars[row]
+                    grammar.error = ("the grammar allows no token here (it can never be "
+                                     "completed)")
         return bitmask.numpy(), dead
 
     def shutdown(self) -> None:

@@ -72,6 +72,9 @@ def _chain(source: Future[ModelRunnerOutput], target: Future[ModelRunnerOutput])
     """Complete `target` with `source`'s result or error."""
 
     def done(f: Future[ModelRunnerOutput]) -> None:
+        if f.cancelled():  # the executor shut down with the step queued
+            target.cancel()
+            return
         error = f.exception()
         if error is not None:
             target.set_exception(error)

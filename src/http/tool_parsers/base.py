@@ -1,0 +1,160 @@
+"""What every tool-call parser shares: the call and delta types, the base class, and the
+streaming helpers (a marker search that holds back a partial marker, and content output that
+drops the whitespace left around tool-call markup).
+
+A parser is a small state machine fed text deltas (`feed`) and told when the text ends
+(`finish`); each returns the `ParsedDelta` the chunk carries: a content fragment and tool-call
+deltas (the first delta of a call carries its index, id and name, later ones argument
+fragments). `extract(text)` is the non-streamed result, built by feeding the whole text at
+once, so a streamed reply and a plain one always say the same whatever the split. One parser
+serves one choice of one request.
+"""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass, field
+
+
+def new_call_id() -> str:
+    """A tool call id in OpenAI's shape (`call_` + random hex)."""
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
+@dataclass
+class ToolCallDelta:
+    """A piece of a tool call: the first carries `id` and `name` (arguments ""), later ones
+    argument fragments only."""
+
+    index: int
+    id: str | None = None
+    name: str | None = None
+    arguments: str = ""
+
+
+@dataclass
+class ToolCall:
+    """A whole tool call: `arguments` is JSON text, as OpenAI sends it."""
+
+    id: str
+    name: str
+    arguments: str
+
+
+@dataclass
+class ParsedDelta:
+    """What one fed text delta became."""
+
+    content: str = ""
+    tool_calls: list[ToolCallDelta] = field(default_factory=list)
+
+    def __bool__(self) -> bool:
+        return bool(self.content or self.tool_calls)
+
+    def extend(self, other: ParsedDelta) -> None:
+        """Append `other` (its content after this one's, its calls after these)."""
+        self.content += other.content
+        self.tool_calls.extend(other.tool_calls)
+
+
+def merge_calls(deltas: list[ToolCallDelta]) -> list[ToolCall]:
+    """Whole calls from their deltas, in index order."""
+    calls: dict[int, ToolCall] = {}
+    for d in deltas:
+        if d.index not in calls:
+            calls[d.index] = ToolCall(d.id or new_call_id(), d.name or "", "")
+        calls[d.index].arguments += d.arguments
+    return [calls[i] for i in sorted(calls)]
+
+
+def partial_suffix(text: str, marker: str) -> int:
+    """The length of the longest end of `text` that begins `marker` (but is not all of it)."""
+    for k in range(min(len(marker) - 1, len(text)), 0, -1):
+        if text.endswith(marker[:k]):
+            return k
+    return 0
+
+
+class MarkerScan:
+    """Finds `marker` in streamed text, holding back an end that may begin it."""
+
+    def __init__(self, marker: str) -> None:
+        self.marker = marker
+        self.held = ""
+
+    def feed(self, text: str) -> tuple[str, str | None]:
+        """Returns the text before the marker, and the text after it (None: not found yet;
+        what may begin the marker is held back)."""
+        buf = self.held + text
+        at = buf.find(self.marker)
+        if at >= 0:
+            self.held = ""
+            return buf[:at], buf[at + len(self.marker):]
+        keep = partial_suffix(buf, self.marker)
+        self.held = buf[len(buf) - keep:]
+        return buf[:len(buf) - keep], None
+
+    def flush(self) -> str:
+        """The held-back text, when the stream ends without the marker."""
+        held, self.held = self.held, ""
+        return held
+
+
+class ContentOut:
+    """Content around tool calls: whitespace is held until more content follows, dropped
+    where a tool call starts, and at the end dropped if any call was made (the newlines a
+    model writes between its calls are not content)."""
+
+    def __init__(self) -> None:
+        self.pending = ""
+
+    def add(self, text: str) -> str:
+        """The content to send now for `text`."""
+        stripped = text.rstrip()
+        if not stripped:
+            self.pending += text
+            return ""
+        out = self.pending + stripped
+        self.pending = text[len(stripped):]
+        return out
+
+    def drop(self) -> None:
+        """A tool call starts: the whitespace before it is not content."""
+        self.pending = ""
+
+    def finish(self, made_calls: bool) -> str:
+        """The held whitespace, unless calls were made."""
+        pending, self.pending = self.pending, ""
+        return "" if made_calls else pending
+
+
+class ToolParser:
+    """The base of the tool-call parsers: subclasses implement `feed` and `finish`.
+
+    Attributes:
+        name: the registry name (`--tool-call-parser`).
+        needs_special_tokens: the markup is a special token, so the request must keep
+            special tokens in its text (vLLM's `adjust_request`).
+    """
+
+    name = ""
+    needs_special_tokens = False
+
+    def feed(self, text: str) -> ParsedDelta:
+        """What the next text delta adds."""
+        raise NotImplementedError
+
+    def finish(self) -> ParsedDelta:
+        """What is left when the text ends (held-back content, a call cut short)."""
+        raise NotImplementedError
+
+    @property
+    def made_calls(self) -> bool:
+        """At least one tool call was started."""
+        raise NotImplementedError
+
+    def extract(self, text: str) -> tuple[str | None, list[ToolCall]]:
+        """The non-streamed result: content (None when empty) and whole tool calls."""
+        out = self.feed(text)
+        out.extend(self.finish())
+        return out.content or None, merge_calls(out.tool_calls)
