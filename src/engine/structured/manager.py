@@ -46,8 +46,8 @@ class RequestGrammar:
             forbids was sampled, or no token is allowed), once known.
     """
 
-    __slots__ = ("_compiled", "_manager", "_matcher", "_prompt", "_reasoning_end", "error",
-                 "reasoning_ended")
+    __slots__ = ("_compiled", "_manager", "_matcher", "_may_open", "_prompt", "_think",
+                 "error", "reasoning_ended")
 
     def __init__(self, compiled: Future[tuple[Any, Any]], manager: StructuredOutputManager,
                  prompt_token_ids: Sequence[int]) -> None:
@@ -55,8 +55,11 @@ class RequestGrammar:
         self._manager = manager
         self._prompt = prompt_token_ids
         self._matcher: Any = None
-        self._reasoning_end: int | None = None
+        self._think: tuple[int, int] | None = None  # (start, end) of thinking
         self.reasoning_ended = True
+        # qwen3 without thinking open in the prompt: the first token decides (a <think>
+        # opens it; anything else is constrained output).
+        self._may_open = False
         self.error: str | None = None
 
     def ready(self) -> bool:
@@ -71,7 +74,8 @@ class RequestGrammar:
         except Exception as exc:
             self.error = f"structured_outputs: {exc}"
             return True
-        self._reasoning_end, self.reasoning_ended = self._manager.reasoning_state(self._prompt)
+        self._think, self.reasoning_ended, self._may_open = self._manager.reasoning_state(
+            self._prompt)
         self._prompt = ()
         return True
 
@@ -81,8 +85,14 @@ class RequestGrammar:
         if matcher is None:
             return self.error is None
         for token in token_ids:
+            think = self._think
+            if self._may_open:
+                self._may_open = False
+                if think is not None and token == think[0]:
+                    self.reasoning_ended = False
+                    continue
             if not self.reasoning_ended:
-                self.reasoning_ended = token == self._reasoning_end
+                self.reasoning_ended = think is not None and token == think[1]
                 continue
             if matcher.is_terminated():
                 continue  # tokens after the end (ignore_eos): unconstrained
@@ -98,7 +108,15 @@ class RequestGrammar:
         if matcher is None or not self.reasoning_ended or matcher.is_terminated():
             return False
         matcher.fill_bitmask(bitmask, row)
+        if self._may_open and self._think is not None:
+            start = self._think[0]  # thinking may still open here
+            bitmask[row, start // 32] |= _bit(start % 32)
         return True
+
+
+def _bit(index: int) -> int:
+    """The int32 word value with bit `index` set (bit 31 is the sign bit)."""
+    return (1 << index) - (1 << 32) if index == 31 else 1 << index
 
 
 class AllowAll:
@@ -173,12 +191,16 @@ class StructuredOutputManager:
                     del self._cache[next(iter(self._cache))]
         return RequestGrammar(future, self, prompt_token_ids)
 
-    def reasoning_state(self, prompt_token_ids: Sequence[int]) -> tuple[int | None, bool]:
-        """(the end-of-thinking token id, whether thinking has ended within the prompt: its
-        end token comes after its last start token); (None, True) without a reasoning
-        parser. Valid once the backend has loaded (any grammar is compiled)."""
+    def reasoning_state(self, prompt_token_ids: Sequence[int],
+                        ) -> tuple[tuple[int, int] | None, bool, bool]:
+        """How a request's output starts: ((start, end) thinking token ids, whether thinking
+        has ended, whether the first output token may still open it). Thinking is open when
+        the prompt's last <think> comes after its last </think>; closed when a </think> comes
+        last; with neither, deepseek_r1 starts inside it (its template opens it) and qwen3
+        lets the first token decide. Without a reasoning parser: (None, True, False). Valid
+        once the backend has loaded (any grammar is compiled)."""
         if self._reasoning is None:
-            return None, True
+            return None, True, False
         start, end = self._reasoning
         last_start = last_end = -1
         for i, token in enumerate(prompt_token_ids):
@@ -186,7 +208,13 @@ class StructuredOutputManager:
                 last_start = i
             elif token == end:
                 last_end = i
-        return end, last_end > last_start
+        if last_start > last_end:
+            return self._reasoning, False, False
+        if last_end >= 0:
+            return self._reasoning, True, False
+        if self.config.structured_outputs_config.reasoning_parser == "deepseek_r1":
+            return self._reasoning, False, False
+        return self._reasoning, True, True
 
     def bitmask(self, grammars: Sequence[RequestGrammar | AllowAll],
                 ) -> tuple[np.ndarray[Any, Any], list[int]]:
