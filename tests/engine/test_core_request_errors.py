@@ -74,14 +74,18 @@ def test_an_undecodable_request_frame_ends_that_request(client: SyncMPClient) ->
 
 
 def test_a_duplicate_id_fails_alone_and_the_engine_keeps_serving(client: SyncMPClient) -> None:
-    client.add_request(_request("dup", max_tokens=30))
+    # The first runs long enough that the duplicate surely meets it in flight.
+    client.add_request(_request("dup", max_tokens=1500))
     client.add_request(_request("dup", max_tokens=30))
     outputs: list[EngineCoreOutput] = []
-    while not any(o.finished and o.finish_reason is FinishReason.LENGTH for o in outputs):
+    while not any(o.finish_reason is FinishReason.ERROR for o in outputs):
         outputs.extend(client.get_output().outputs)
     errors = [o for o in outputs if o.finish_reason is FinishReason.ERROR]
     assert len(errors) == 1 and "already in flight" in str(errors[0].stop_reason)
-    assert sum(len(o.new_token_ids) for o in outputs) == 30  # the first ran to completion
+    assert not any(o.finish_reason is FinishReason.LENGTH for o in outputs)
+    while not any(o.finish_reason is FinishReason.LENGTH for o in outputs):
+        outputs.extend(client.get_output().outputs)
+    assert sum(len(o.new_token_ids) for o in outputs) == 1500  # the first ran to completion
     assert client.call_utility("get_stats")["num_running_reqs"] == 0
     client.add_request(_request("after"))
     assert _finals(client, {"after"})["after"].finish_reason is FinishReason.LENGTH
