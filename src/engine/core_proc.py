@@ -92,7 +92,11 @@ class OutputThreadDied(BaseException):
 
 
 def _interrupt_main() -> None:
-    os.kill(os.getpid(), signal.SIGUSR1)
+    # To the main thread itself: a process-directed signal may land on another thread, and
+    # the main thread, blocked waiting for input, would then never run the handler.
+    main = threading.main_thread().ident
+    assert main is not None
+    signal.pthread_kill(main, signal.SIGUSR1)
 
 
 def _raise_output_died(signum: int, frame: Any) -> None:
