@@ -164,7 +164,8 @@ def _checker_for(t: mi.Type) -> _Checker:
         return _enum(t.cls)
     if isinstance(t, mi.StructType):
         return _struct(t.cls)
-    raise NotImplementedError(f"no strict check for {t!r}")  # a new field type: add one
+    # A wire struct gained a field type this module has no rule for: add one here.
+    raise TypeError(f"typecheck: no strict check for field type {t!r}")
 
 
 def _checkers(cls: type) -> list[tuple[str, Any, _Checker]]:

@@ -13,6 +13,7 @@ serves one choice of one request.
 from __future__ import annotations
 
 import uuid
+from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 
 
@@ -128,7 +129,7 @@ class ContentOut:
         return "" if made_calls else pending
 
 
-class ToolParser:
+class ToolParser(ABC):
     """The base of the tool-call parsers: subclasses implement `feed` and `finish`.
 
     Attributes:
@@ -140,18 +141,18 @@ class ToolParser:
     name = ""
     needs_special_tokens = False
 
+    @abstractmethod
     def feed(self, text: str) -> ParsedDelta:
         """What the next text delta adds."""
-        raise NotImplementedError
 
+    @abstractmethod
     def finish(self) -> ParsedDelta:
         """What is left when the text ends (held-back content, a call cut short)."""
-        raise NotImplementedError
 
     @property
+    @abstractmethod
     def made_calls(self) -> bool:
         """At least one tool call was started."""
-        raise NotImplementedError
 
     def extract(self, text: str) -> tuple[str | None, list[ToolCall]]:
         """The non-streamed result: content (None when empty) and whole tool calls."""
