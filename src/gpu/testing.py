@@ -56,6 +56,10 @@ class TinyModelSpec:
             well separated (token-exact comparisons need no near-ties).
         seed: torch seed for the weights and the corpus seed for the tokenizer.
         dtype: the dtype weights are stored in.
+        rope_theta: the rope base.
+        extra_config: JSON object of further config.json keys, merged over the fields above
+            (e.g. '{"rope_scaling": {"rope_type": "linear", "factor": 2.0}}', a sliding
+            window, soft-capping); JSON text so the spec stays hashable.
     """
 
     arch: str = "llama"
@@ -72,6 +76,7 @@ class TinyModelSpec:
     seed: int = 0
     dtype: str = "float32"
     rope_theta: float = 10000.0
+    extra_config: str = "{}"
 
 
 DEMO_SPEC = TinyModelSpec(
@@ -111,7 +116,10 @@ def demo_model_path() -> Path:
 
 def cached_model(spec: TinyModelSpec, name: str = "tiny") -> Path:
     """The cached directory for `spec`, built (atomically) when missing."""
-    key = hashlib.sha256(json.dumps([FACTORY_VERSION, dataclasses.asdict(spec)]).encode()).hexdigest()
+    fields = dataclasses.asdict(spec)
+    if fields["extra_config"] == "{}":
+        del fields["extra_config"]  # keeps the keys of the directories built before it existed
+    key = hashlib.sha256(json.dumps([FACTORY_VERSION, fields]).encode()).hexdigest()
     target = ringserve_home() / "models" / f"{name}-{spec.arch}-{key[:12]}"
     if (target / "model.safetensors").is_file():
         return target
@@ -184,6 +192,7 @@ def _hf_config(spec: TinyModelSpec, *, bos: int, eos: int, pad: int) -> Any:
         kwargs["head_dim"] = spec.head_dim
     if spec.arch == "mistral":
         kwargs["sliding_window"] = None
+    kwargs.update(json.loads(spec.extra_config))
     return classes[spec.arch](**kwargs)
 
 

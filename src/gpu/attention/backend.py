@@ -40,9 +40,23 @@ class AttentionBackend(Protocol):
         ...
 
     def attend(
-        self, query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float
+        self,
+        query: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+        *,
+        sliding_window: int | None = None,
+        logits_soft_cap: float | None = None,
     ) -> torch.Tensor:
-        """Causal paged attention of `query` [T, Hq, D]; returns [T, Hq, D]."""
+        """Causal paged attention of `query` [T, Hq, D]; returns [T, Hq, D].
+
+        Args:
+            sliding_window: a query at position p sees keys at positions
+                p - sliding_window + 1 .. p only (transformers' convention); None: all.
+            logits_soft_cap: scores become cap * tanh(scores / cap) before the softmax
+                (Gemma 2); None: off.
+        """
         ...
 
 
