@@ -88,6 +88,11 @@ class ModelConfig:
         max_model_len: int | None = None,
         seed: int = 0,
         max_logprobs: int = 20,
+        load_format: str = "auto",
+        revision: str | None = None,
+        download_dir: str | None = None,
+        generation_config: str = "auto",
+        override_generation_config: str | dict[str, Any] | None = None,
     ) -> ModelConfig:
         """Read and check a local Hugging Face model directory.
 

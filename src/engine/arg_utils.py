@@ -91,6 +91,11 @@ class EngineArgs:
     max_num_queued_tokens: int | None = None
     structured_outputs_config: str | dict[str, Any] | None = None
     reasoning_parser: str | None = None
+    load_format: str = "auto"
+    revision: str | None = None
+    download_dir: str | None = None
+    generation_config: str = "auto"
+    override_generation_config: str | dict[str, Any] | None = None
 
     # -- CLI -------------------------------------------------------------------------------
 
@@ -137,6 +142,11 @@ class EngineArgs:
             max_model_len=self.max_model_len,
             seed=self.seed,
             max_logprobs=self.max_logprobs,
+            load_format=self.load_format,
+            revision=self.revision,
+            download_dir=self.download_dir,
+            generation_config=self.generation_config,
+            override_generation_config=self.override_generation_config,
         )
         return EngineConfig(
             model_config=model_config,
@@ -372,4 +382,14 @@ _FLAG_SPECS: tuple[_FlagSpec, ...] = (
               f"{{\"backend\": one of {', '.join(STRUCTURED_OUTPUT_BACKENDS)}}}", str),
     _FlagSpec("reasoning_parser", "split <think>...</think> into the reasoning field; "
               "constraints apply after it", str, REASONING_PARSERS),
+    _FlagSpec("load_format", "weights format: auto (safetensors, or gguf for a .gguf file), "
+              "safetensors, gguf, or dummy (random weights of the right shapes)", str,
+              ("auto", "safetensors", "gguf", "dummy")),
+    _FlagSpec("revision", "the model's branch, tag or commit (a hub model id)", str),
+    _FlagSpec("download_dir", "where hub models are looked up and downloaded (default: the "
+              "Hugging Face cache)", str),
+    _FlagSpec("generation_config", "request defaults: auto (the model's "
+              "generation_config.json), vllm (none), or a directory holding one", str),
+    _FlagSpec("override_generation_config", "JSON object over the generation config, e.g. "
+              "'{\"temperature\": 0.5}'", str),
 )
