@@ -3,39 +3,68 @@
 `ringserve serve [MODEL]` runs the OpenAI-compatible HTTP server (`ringserve.http.server`);
 `ringserve demo-model PATH` writes the demo model directory; `ringserve bench ipc`,
 `ringserve bench throughput`, `ringserve bench frontend` and `ringserve bench serve` run the
-benchmarks of docs/benchmarks.md. A user mistake (bad
-flag, missing model directory, out-of-range value, port in use) prints one
-`ringserve: error: ...` line and exits with status 2, never a traceback; a server whose engine
-died exits with status 1 after one such line.
+benchmarks of docs/benchmarks.md. `serve` takes the command lines published for
+`vllm serve` (`ringserve.vllm_flags`: vLLM's spellings, `--config FILE.yaml`, flags with no
+effect here, flags refused because they would change outputs).
+
+Exit statuses, each after one `ringserve: error: ...` line and never a traceback: 2 for a bad
+flag or flag value (out of range, port in use, unreadable --config file); 1 for a model
+directory or file problem (`ModelDirectoryError`, the line names the file) and for a server
+whose engine died.
 """
 
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import NoReturn
+from typing import Any, NoReturn
 
-from ringserve.errors import RingserveError
+from ringserve.errors import ModelDirectoryError, RingserveError
 
 Handler = Callable[[argparse.Namespace], int]
 
 
+logger = logging.getLogger(__name__)
+
+
 class _Parser(argparse.ArgumentParser):
-    """An ArgumentParser whose usage errors are one `ringserve: error: ...` line."""
+    """An ArgumentParser whose usage errors are one `ringserve: error: ...` line.
+
+    Args:
+        context: what the flags were read from, put before the message (a --config file).
+    """
+
+    def __init__(self, *args: Any, context: str = "", **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.context = context
 
     def error(self, message: str) -> NoReturn:
-        self.exit(2, f"ringserve: error: {message} (see: {self.prog} --help)\n")
+        where = f"{self.context}: " if self.context else ""
+        self.exit(2, f"ringserve: error: {where}{message} (see: {self.prog} --help)\n")
 
 
 def _serve(ns: argparse.Namespace) -> int:
     from ringserve.engine.arg_utils import EngineArgs
     from ringserve.engine.errors import EngineDeadError
     from ringserve.http import server
-    from ringserve.http.cli_args import settings_from_args
+    from ringserve.http.cli_args import (
+        apply_server_log_level,
+        check_serve_args,
+        settings_from_args,
+    )
+    from ringserve.vllm_flags import no_effect_lines
 
-    engine_config = EngineArgs.from_cli_args(ns).create_engine_config()
+    engine_args = EngineArgs.from_cli_args(ns)
+    engine_args.verify()  # flag mistakes before any model is read
+    check_serve_args(ns)
+    server.configure_logging()
+    for line in no_effect_lines(ns):
+        logger.info(line)
+    apply_server_log_level(ns.uvicorn_log_level)
+    engine_config = engine_args.create_engine_config()
     settings = settings_from_args(ns, engine_config)
     try:
         server.serve(engine_config, settings)
@@ -86,23 +115,32 @@ def _bench_serve(ns: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     """The top-level parser with every subcommand."""
+    return _build_parsers()[0]
+
+
+def _build_parsers(context: str = "") -> tuple[argparse.ArgumentParser,
+                                                argparse.ArgumentParser]:
+    """The top-level parser and its `serve` subparser (errors prefixed with `context`)."""
     from ringserve import __version__
     from ringserve.engine.arg_utils import EngineArgs
     from ringserve.gpu.testing import PRESETS
     from ringserve.http.cli_args import add_serve_args
+    from ringserve.vllm_flags import add_vllm_flags
 
     parser = _Parser(
-        prog="ringserve",
+        prog="ringserve", context=context,
         description="LLM inference and serving engine (vLLM V1 design on trio and shm rings).",
     )
     parser.add_argument("--version", action="version", version=f"ringserve {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
 
-    serve = sub.add_parser("serve", help="run the OpenAI-compatible HTTP server",
+    serve = sub.add_parser("serve", help="run the OpenAI-compatible HTTP server", context=context,
                            description="Serve MODEL (a Hugging Face model directory; default: "
-                           "the demo model) over HTTP/1.1 and HTTP/2 with OpenAI's API.")
+                           "the demo model) over HTTP/1.1 and HTTP/2 with OpenAI's API. "
+                           "Takes vllm serve's flags (see README, drop-in flags).")
     EngineArgs.add_cli_args(serve, positional_model=True)
     add_serve_args(serve)
+    add_vllm_flags(serve)
     serve.set_defaults(handler=_serve)
 
     demo = sub.add_parser("demo-model", help="write a tiny random-weight model directory",
@@ -131,20 +169,79 @@ def build_parser() -> argparse.ArgumentParser:
         "serve", add_help=False,
         help="load-test an OpenAI-compatible server (vllm bench serve's flags and report)")
     serve_bench.set_defaults(handler=_bench_serve, passthrough_ok=True)
-    return parser
+    return parser, serve
+
+
+def _config_path(args: Sequence[str]) -> str | None:
+    """The value of the last `--config` among `serve`'s flags, if any."""
+    path = None
+    for i, token in enumerate(args):
+        if token == "--config" and i + 1 < len(args):
+            path = args[i + 1]
+        elif token.startswith("--config="):
+            path = token.partition("=")[2]
+    return path
+
+
+def _apply_config_file(serve: argparse.ArgumentParser, path: str) -> None:
+    """Make the flags of a `--config` YAML file the defaults of `serve` (the command line wins).
+
+    The file's flags are parsed by a parser of their own, whose errors name the file; only
+    the values they set become defaults.
+    """
+    from ringserve.vllm_flags import config_file_argv
+
+    negatable = {"--" + flag[len("--no-"):] for flag in serve._option_string_actions
+                 if flag.startswith("--no-")}
+    try:
+        tokens = config_file_argv(path, negatable)
+    except ValueError as exc:
+        serve.exit(2, f"ringserve: error: {exc}\n")
+    file_parser = _build_parsers(context=f"--config {path}")[0]
+    from_file, rest = file_parser.parse_known_args(["serve", *tokens])
+    if rest:
+        file_parser.error(f"unrecognized arguments: {' '.join(rest)}")
+    defaults = vars(file_parser.parse_known_args(["serve"])[0])
+    given = {key: value for key, value in vars(from_file).items()
+             if key != "config" and (key not in defaults or defaults[key] != value)}
+    serve.set_defaults(**given)
+
+
+def parse_command_line(argv: Sequence[str]) -> argparse.Namespace:
+    """Parse a command line as `main` does, without running it.
+
+    `serve` flags may be spelled with underscores (as vLLM allows) and come from a
+    `--config` YAML file (the command line wins). Benchmarks get what the top-level parser
+    does not know in `passthrough`.
+
+    Raises:
+        SystemExit: status 2 after one `ringserve: error: ...` line (a bad flag or value).
+    """
+    from ringserve.vllm_flags import normalize_flag_spelling
+
+    args = list(argv)
+    parser, serve = _build_parsers()
+    if args[:1] == ["serve"]:
+        args = normalize_flag_spelling(args)  # vLLM takes --max_model_len too
+        config = _config_path(args)
+        if config is not None:
+            _apply_config_file(serve, config)
+    ns, rest = parser.parse_known_args(args)
+    if rest and not getattr(ns, "passthrough_ok", False):
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
+    ns.passthrough = rest
+    return ns
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line; returns the process exit status."""
-    parser = build_parser()
-    # Benchmarks parse their own flags: pass what the top-level parser does not know.
-    ns, rest = parser.parse_known_args(argv)
-    if rest and not getattr(ns, "passthrough_ok", False):
-        parser.error(f"unrecognized arguments: {' '.join(rest)}")
-    ns.passthrough = rest
+    ns = parse_command_line(sys.argv[1:] if argv is None else argv)
     handler: Handler = ns.handler
     try:
         return handler(ns)
+    except ModelDirectoryError as exc:  # the model, not the flags: the message names the file
+        print(f"ringserve: error: {exc}", file=sys.stderr)
+        return 1
     except (ValueError, RingserveError, OSError) as exc:
         print(f"ringserve: error: {exc}", file=sys.stderr)
         return 2

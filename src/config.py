@@ -9,8 +9,7 @@ mutating these objects. `ModelConfig.from_model_dir` reads a Hugging Face model 
 
 from __future__ import annotations
 
-import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
@@ -26,6 +25,9 @@ SUPPORTED_ARCHITECTURES: tuple[str, ...] = (
     "MistralForCausalLM",
     "Qwen2ForCausalLM",
     "Qwen3ForCausalLM",
+    "Gemma2ForCausalLM",
+    "Gemma3ForCausalLM",
+    "Phi3ForCausalLM",
 )
 
 _TORCH_DTYPE_NAMES: dict[str, DType] = {
@@ -37,6 +39,8 @@ _TORCH_DTYPE_NAMES: dict[str, DType] = {
 }
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
+
+LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,6 +61,11 @@ class ModelConfig:
         seed: the engine's random seed.
         max_logprobs: the cap on logprobs / prompt_logprobs per position (-1: vocab size).
         hf_config: the raw config.json contents (for the model code).
+        load_format: "safetensors", "gguf" or "dummy" (resolved from "auto").
+        weights_path: the directory or GGUF file the weights come from ("": `model`).
+        generation_defaults: SamplingParams defaults from the model's generation config
+            (`temperature`, `top_p`, `top_k`, `min_p`, `repetition_penalty`, `max_tokens`);
+            a request's own values win.
     """
 
     model: str
@@ -76,6 +85,14 @@ class ModelConfig:
     seed: int
     max_logprobs: int
     hf_config: dict[str, Any]
+    load_format: str = "safetensors"
+    weights_path: str = ""
+    generation_defaults: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def weights(self) -> str:
+        """Where the weights are read from: the directory, or the GGUF file."""
+        return self.weights_path or self.model
 
     @classmethod
     def from_model_dir(
@@ -93,16 +110,37 @@ class ModelConfig:
         download_dir: str | None = None,
         generation_config: str = "auto",
         override_generation_config: str | dict[str, Any] | None = None,
+        device: str = "cpu",
     ) -> ModelConfig:
-        """Read and check a local Hugging Face model directory.
+        """Read and check a model: a local Hugging Face directory, a GGUF file, or a hub id
+        (resolved through the local Hugging Face cache, see `ringserve.checkpoint.hub`).
+
+        Args:
+            load_format: "auto" (GGUF for a GGUF file, else safetensors), "safetensors",
+                "gguf", or "dummy" (random weights of the right shapes; no weights read).
+            generation_config: "auto" (request defaults from the model's
+                generation_config.json), "vllm" (none), or a directory holding one.
+            override_generation_config: a JSON object (or its text) over those defaults.
+            device: the resolved device ("cpu" or "cuda"), for what dtype "auto" means.
 
         Raises:
-            ModelDirectoryError: the directory or one of its files is missing, unreadable,
-                or describes an architecture ringserve does not run.
-            ValueError: `dtype` or `max_model_len` is not allowed for this model.
+            ModelDirectoryError: the model, or one of its files, is missing, unreadable,
+                truncated, or describes an architecture ringserve does not run.
+            ValueError: `dtype`, `load_format`, `max_model_len` or the generation config
+                options are not allowed for this model.
         """
-        path = Path(model)
-        _check_model_dir(path)
+        from ringserve.checkpoint.hub import resolve_model
+
+        if load_format not in LOAD_FORMATS:
+            raise ValueError(f"load_format: got {load_format!r}, allowed: "
+                             f"{', '.join(LOAD_FORMATS)}")
+        source = resolve_model(model, revision=revision, download_dir=download_dir)
+        if load_format == "gguf" or (load_format == "auto" and _is_gguf(source)):
+            path, weights, fmt = _gguf_model_dir(source, tokenizer), source, "gguf"
+        else:
+            path, weights = source, source
+            fmt = "dummy" if load_format == "dummy" else "safetensors"
+            _check_model_dir(path, fmt)
         tok_path = Path(tokenizer) if tokenizer is not None else path
         _check_tokenizer_dir(tok_path)
         hf = _load_hf_config(path)
@@ -113,16 +151,17 @@ class ModelConfig:
         elif max_model_len < 1 or max_model_len > derived_len:
             raise ValueError(
                 f"max_model_len: got {max_model_len}, allowed: 1..{derived_len} "
-                f"(max_position_embeddings of {path / 'config.json'})"
+                f"(max_position_embeddings of {path / 'config.json'}, with its rope scaling)"
             )
         heads = int(hf["num_attention_heads"])
         hidden = int(hf["hidden_size"])
+        gen_dir = _generation_config_dir(generation_config, path)
         return cls(
             model=str(path),
             tokenizer=str(tok_path),
             served_model_name=served_model_name or model,
             architecture=arch,
-            dtype=_resolve_dtype(dtype, hf),
+            dtype=_resolve_dtype(dtype, hf, device),
             max_model_len=max_model_len,
             vocab_size=int(hf["vocab_size"]),
             hidden_size=hidden,
@@ -130,11 +169,14 @@ class ModelConfig:
             num_attention_heads=heads,
             num_kv_heads=int(hf.get("num_key_value_heads") or heads),
             head_dim=int(hf.get("head_dim") or hidden // heads),
-            eos_token_ids=_eos_token_ids(path, hf),
+            eos_token_ids=_eos_token_ids(path, hf, gen_dir),
             bos_token_id=hf.get("bos_token_id"),
             seed=seed,
             max_logprobs=max_logprobs,
             hf_config=hf,
+            load_format=fmt,
+            weights_path=str(weights),
+            generation_defaults=generation_defaults(gen_dir, override_generation_config),
         )
 
     def kv_bytes_per_token(self, tensor_parallel_size: int = 1) -> int:
@@ -144,19 +186,49 @@ class ModelConfig:
         return 2 * self.num_hidden_layers * kv_heads * self.head_dim * itemsize
 
 
-def _check_model_dir(path: Path) -> None:
+def _check_model_dir(path: Path, load_format: str) -> None:
+    from ringserve.checkpoint.safetensors_file import check_headers, checkpoint_files
+
     if not path.is_dir():
         raise ModelDirectoryError(
-            f"model directory {path} does not exist (ringserve loads local Hugging Face model "
-            "directories only; `ringserve demo-model PATH` writes a small one)"
+            f"model directory {path} is not a directory (ringserve loads Hugging Face model "
+            "directories, GGUF files and hub ids; `ringserve demo-model PATH` writes a small "
+            "model)"
         )
     if not (path / "config.json").is_file():
         raise ModelDirectoryError(f"model directory {path}: config.json is missing")
-    if not any(path.glob("*.safetensors")):
-        raise ModelDirectoryError(
-            f"model directory {path}: no *.safetensors weights (model.safetensors or shards "
-            "with model.safetensors.index.json)"
-        )
+    if load_format == "safetensors":
+        check_headers(checkpoint_files(path))
+
+
+def _is_gguf(path: Path) -> bool:
+    if not path.is_file():
+        return False
+    try:
+        with path.open("rb") as f:
+            return f.read(4) == b"GGUF"
+    except OSError:
+        return False
+
+
+def _gguf_model_dir(path: Path, tokenizer: str | None) -> Path:
+    """A Hugging Face-style directory (config, generation config, tokenizer) written from a
+    GGUF file's metadata, cached under RINGSERVE_HOME by the file's path, size and mtime."""
+    import hashlib
+
+    from ringserve.checkpoint.gguf_file import materialize
+    from ringserve.envs import ringserve_home
+
+    if not _is_gguf(path):
+        raise ModelDirectoryError(f"{path}: not a GGUF file (load_format gguf)")
+    st = path.stat()
+    key = hashlib.sha256(f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}|"
+                         f"{tokenizer is None}".encode()).hexdigest()[:16]
+    target = ringserve_home() / "gguf" / f"{path.stem}-{key}"
+    if not (target / "config.json").is_file():
+        target.parent.mkdir(parents=True, exist_ok=True)
+        materialize(path, target, with_tokenizer=tokenizer is None)
+    return target
 
 
 def _check_tokenizer_dir(path: Path) -> None:
@@ -197,36 +269,89 @@ def _architecture(path: Path, hf: dict[str, Any]) -> str:
 
 
 def _derived_max_len(hf: dict[str, Any]) -> int:
+    """The longest sequence the config allows: max_position_embeddings, stretched as vLLM
+    does by a rope scaling that extends the context (yarn: its original context times the
+    factor; linear and dynamic: times the factor). llama3 and longrope configs already count
+    the scaling in max_position_embeddings, and so do Gemma 3's (whose rope parameters come
+    per layer type)."""
+    derived = 2048
     for key in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length"):
         value = hf.get(key)
         if isinstance(value, int) and value > 0:
-            return value
-    return 2048
+            derived = value
+            break
+    rope = hf.get("rope_scaling") or hf.get("rope_parameters")
+    if not isinstance(rope, dict) or str(hf.get("model_type", "")).startswith("gemma3"):
+        return derived
+    rope_type = rope.get("rope_type") or rope.get("type")
+    factor = rope.get("factor")
+    if rope_type in ("yarn", "linear", "dynamic") and isinstance(factor, (int, float)):
+        if rope_type == "yarn" and isinstance(rope.get("original_max_position_embeddings"), int):
+            derived = int(rope["original_max_position_embeddings"])
+        return max(derived, int(derived * float(factor)))
+    return derived
 
 
-def _resolve_dtype(dtype: str, hf: dict[str, Any]) -> DType:
+def _resolve_dtype(dtype: str, hf: dict[str, Any], device: str) -> DType:
+    """The compute dtype. "auto": the checkpoint's own dtype on CUDA; on CPU float32 (the
+    CPU's GEMMs and attention have no native bf16/fp16 without AVX512-BF16 or AMX, and
+    emulating it is slower than float32), except bfloat16 weights on a CPU that has native
+    bf16."""
     if dtype != "auto":
         if dtype not in _TORCH_DTYPE_NAMES:
             raise ValueError(f"dtype: got {dtype!r}, allowed: auto, float32, bfloat16, float16")
         return _TORCH_DTYPE_NAMES[dtype]
     stored = hf.get("dtype") or hf.get("torch_dtype") or "float32"
-    return _TORCH_DTYPE_NAMES.get(str(stored).removeprefix("torch."), "float32")
+    resolved = _TORCH_DTYPE_NAMES.get(str(stored).removeprefix("torch."), "float32")
+    if device == "cuda":
+        return resolved
+    return "bfloat16" if resolved == "bfloat16" and cpu_has_native_bf16() else "float32"
 
 
-def _eos_token_ids(path: Path, hf: dict[str, Any]) -> tuple[int, ...]:
-    raw: Any = None
-    gen_path = path / "generation_config.json"
-    if gen_path.is_file():
-        try:
-            raw = json.loads(gen_path.read_text()).get("eos_token_id")
-        except (OSError, ValueError) as exc:
-            raise ModelDirectoryError(f"{gen_path}: unreadable: {exc}") from exc
-    if raw is None:
+def cpu_has_native_bf16() -> bool:
+    """Whether this CPU computes in bf16 natively (AVX512-BF16 or AMX-BF16 in /proc/cpuinfo)."""
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return any(flag in flags.split() for flag in ("avx512_bf16", "amx_bf16"))
+
+
+def _eos_token_ids(path: Path, hf: dict[str, Any], gen_dir: Path | None) -> tuple[int, ...]:
+    """The ids that end generation: the generation config's (the model's own, plus those of
+    `--generation-config DIR`), else config.json's `eos_token_id`."""
+    from ringserve.checkpoint.generation_config import read_generation_config
+
+    ids: list[int] = []
+    for directory in dict.fromkeys(d for d in (path, gen_dir) if d is not None):
+        raw = read_generation_config(directory).get("eos_token_id")
+        for i in raw if isinstance(raw, list) else [raw]:
+            if isinstance(i, int) and i not in ids:
+                ids.append(i)
+    if not ids:
         raw = hf.get("eos_token_id")
-    if raw is None:
-        return ()
-    ids = raw if isinstance(raw, list) else [raw]
-    return tuple(int(i) for i in ids)
+        ids = [int(i) for i in (raw if isinstance(raw, list) else [raw]) if isinstance(i, int)]
+    return tuple(ids)
+
+
+def _generation_config_dir(choice: str, model_dir: Path) -> Path | None:
+    if choice == "vllm":
+        return None
+    if choice == "auto":
+        return model_dir
+    path = Path(choice)
+    if not (path / "generation_config.json").is_file():
+        raise ModelDirectoryError(f"--generation-config {choice}: no generation_config.json "
+                                  "there (allowed: auto, vllm, or a directory holding one)")
+    return path
+
+
+def generation_defaults(gen_dir: Path | None, override: str | dict[str, Any] | None
+                        ) -> dict[str, Any]:
+    """The request defaults of `gen_dir`'s generation config with `override` over them."""
+    from ringserve.checkpoint.generation_config import sampling_defaults
+
+    return sampling_defaults(gen_dir, override)
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,4 +1,5 @@
-"""Every environment variable ringserve reads, typed, in one place (all prefixed RINGSERVE_).
+"""Every environment variable ringserve reads, typed, in one place (prefixed RINGSERVE_; one
+vLLM name, VLLM_API_KEY, is honoured so vLLM deployments keep working).
 
 | variable | default | meaning |
 | --- | --- | --- |
@@ -12,6 +13,7 @@
 | RINGSERVE_EXECUTOR_RING_BYTES | 16777216 | data bytes of each mp-executor ring (a power of two) |
 | RINGSERVE_RAY_TMPDIR | (a fresh temp dir) | Ray's temp dir when the ray executor starts Ray itself |
 | RINGSERVE_API_KEY | (unset: open) | `ringserve serve`'s API key when `--api-key` is not given |
+| VLLM_API_KEY | (unset) | the same, as vLLM names it; RINGSERVE_API_KEY wins when both are set |
 """
 
 from __future__ import annotations
@@ -120,8 +122,9 @@ def ray_tmpdir() -> Path | None:
 
 
 def api_key() -> str | None:
-    """RINGSERVE_API_KEY: the key every `/v1` route requires when `--api-key` is not given.
+    """RINGSERVE_API_KEY, else VLLM_API_KEY: the key every `/v1` route requires when
+    `--api-key` is not given.
 
-    Unset or empty: the server is open (as vLLM with no `--api-key`).
+    Both unset or empty: the server is open (as vLLM with no `--api-key`).
     """
-    return os.environ.get("RINGSERVE_API_KEY") or None
+    return os.environ.get("RINGSERVE_API_KEY") or os.environ.get("VLLM_API_KEY") or None

@@ -267,3 +267,8 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     def clone(self, **changes: Any) -> SamplingParams:
         """A validated copy with some fields replaced (e.g. a child of an n > 1 request)."""
         return msgspec.structs.replace(self, **changes)
+
+
+def default_sampling_params(defaults: dict[str, Any]) -> SamplingParams:
+    """SamplingParams with `defaults` (a model's generation config: field -> value) set."""
+    return SamplingParams(**defaults) if defaults else SamplingParams()

@@ -49,6 +49,52 @@ def parse_bytes(text: str) -> int:
     return int(float(match.group(1)) * _BYTE_UNITS[match.group(2).lower()])
 
 
+_DECIMAL_SUFFIXES = {"k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}
+_BINARY_SUFFIXES = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+
+
+def human_readable_int(text: str) -> int:
+    """Parse vLLM's human-readable integers: "32768", "32k" (= 32000), "32K" (= 32768).
+
+    As vLLM: a lowercase suffix (k, m, g, t) is decimal and takes a fraction ("25.6k" is
+    25600); an uppercase one (K, M, G, T) is binary and takes whole numbers only.
+
+    Raises:
+        ValueError: not such an integer (the message says what is allowed).
+    """
+    value = text.strip()
+    match = re.fullmatch(r"(\d+(?:\.\d+)?)([kmgtKMGT]?)", value)
+    if match is None:
+        raise ValueError(f"not an integer: {text!r} (examples: 32768, 32k = 32000, "
+                         "32K = 32768, 25.6k)")
+    number, suffix = match.groups()
+    if suffix in _DECIMAL_SUFFIXES:
+        return int(float(number) * _DECIMAL_SUFFIXES[suffix])
+    if "." in number:
+        raise ValueError(f"not an integer: {text!r} (a fraction takes a lowercase, decimal "
+                         f"suffix: {number}{suffix.lower()}, not {number}{suffix})")
+    return int(number) * _BINARY_SUFFIXES.get(suffix, 1)
+
+
+def human_readable_int_or_auto(text: str) -> int:
+    """`human_readable_int`, or -1 for "auto" / "-1" (vLLM's spelling of "from the model")."""
+    if text.strip() == "-1" or text.strip().lower() == "auto":
+        return -1
+    return human_readable_int(text)
+
+
+def _flag_type(parse: Any) -> Any:
+    """`parse` as an argparse type: its ValueError message becomes the usage error."""
+    def convert(text: str) -> Any:
+        try:
+            return parse(text)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+
+    convert.__name__ = parse.__name__
+    return convert
+
+
 @dataclass
 class EngineArgs:
     """Arguments for one engine (names and defaults follow vLLM where the meaning matches).
@@ -59,7 +105,7 @@ class EngineArgs:
 
     model: str = DEMO_MODEL
     tokenizer: str | None = None
-    served_model_name: str | None = None
+    served_model_name: str | list[str] | None = None
     dtype: str = "auto"
     seed: int = 0
     max_model_len: int | None = None
@@ -114,6 +160,13 @@ class EngineArgs:
                                 help=f"model directory (default: {DEMO_MODEL})")
         for spec in _FLAG_SPECS:
             spec.add_to(group)
+        # vLLM's spellings of the same settings (their defaults come from the flags above).
+        group.add_argument("--kv-cache-memory-bytes", dest="kv_cache_memory",
+                           type=_flag_type(human_readable_int), default=argparse.SUPPRESS,
+                           help="vLLM's name of --kv-cache-memory (4G = 4 GiB, 4g = 4e9)")
+        group.add_argument("--disable-log-requests", dest="enable_log_requests",
+                           action="store_false", default=argparse.SUPPRESS,
+                           help="do not log each request (the default; vLLM's old flag)")
 
     @classmethod
     def from_cli_args(cls, ns: argparse.Namespace) -> EngineArgs:
@@ -137,9 +190,9 @@ class EngineArgs:
         model_config = ModelConfig.from_model_dir(
             self._model_dir(),
             tokenizer=self.tokenizer,
-            served_model_name=self.served_model_name or self.model,
+            served_model_name=self.served_model_names()[0],
             dtype=self.dtype,
-            max_model_len=self.max_model_len,
+            max_model_len=None if self.max_model_len == -1 else self.max_model_len,
             seed=self.seed,
             max_logprobs=self.max_logprobs,
             load_format=self.load_format,
@@ -147,6 +200,7 @@ class EngineArgs:
             download_dir=self.download_dir,
             generation_config=self.generation_config,
             override_generation_config=self.override_generation_config,
+            device=_resolve_device(self.device),
         )
         return EngineConfig(
             model_config=model_config,
@@ -182,6 +236,31 @@ class EngineArgs:
             ),
             structured_outputs_config=self._structured_outputs_config(),
         )
+
+    def served_model_names(self) -> tuple[str, ...]:
+        """The names clients may use (the first is the one metrics and logs use).
+
+        Raises:
+            ValueError: an empty list or an empty name.
+        """
+        names = self.served_model_name
+        if names is None:
+            return (self.model,)
+        listed = (names,) if isinstance(names, str) else tuple(names)
+        if not listed or not all(isinstance(n, str) and n for n in listed):
+            raise _fail("served_model_name", names, "one or more non-empty names")
+        return tuple(dict.fromkeys(listed))  # a repeated name is listed once
+
+    def verify(self) -> None:
+        """The checks that need no model directory (every field's range and choices).
+
+        Raises:
+            ValueError: a field is out of range (the message names it).
+        """
+        self._verify()
+        self.served_model_names()
+        self._structured_outputs_config()
+        self._executor_backend()
 
     def _structured_outputs_config(self) -> StructuredOutputsConfig:
         """`structured_outputs_config` (a dict, or its JSON text from the CLI) and
@@ -263,6 +342,9 @@ class EngineArgs:
                  "a power of two up to 256")
         _require("max_num_batched_tokens", self.max_num_batched_tokens,
                  lambda v: v is None or v >= 1, "an integer >= 1")
+        _require("max_model_len", self.max_model_len,
+                 lambda v: v is None or v == -1 or v >= 1,
+                 "an integer >= 1, or -1 / None (from the model's config.json)")
         _require("long_prefill_token_threshold", self.long_prefill_token_threshold,
                  lambda v: v >= 0, "an integer >= 0 (0: off)")
         _require("gpu_memory_utilization", self.gpu_memory_utilization,
@@ -323,16 +405,19 @@ class _FlagSpec:
     type: Any = None
     choices: tuple[str, ...] | None = None
     boolean: bool = False
+    aliases: tuple[str, ...] = ()  # vLLM's short forms (-tp, -dp)
+    nargs: str | None = None
 
     def add_to(self, group: Any) -> None:
-        flag = "--" + self.field.replace("_", "-")
+        flags = ["--" + self.field.replace("_", "-"), *self.aliases]
         default = _DEFAULTS[self.field]
         if self.boolean:
-            group.add_argument(flag, dest=self.field, action=argparse.BooleanOptionalAction,
+            group.add_argument(*flags, dest=self.field, action=argparse.BooleanOptionalAction,
                                default=default, help=self.help)
             return
-        group.add_argument(flag, dest=self.field, type=self.type, choices=self.choices,
-                           default=default, help=f"{self.help} (default: {default})")
+        group.add_argument(*flags, dest=self.field, type=self.type, choices=self.choices,
+                           nargs=self.nargs, default=default,
+                           help=f"{self.help} (default: {default})")
 
 
 _DEFAULTS: dict[str, Any] = {f.name: f.default for f in dataclasses.fields(EngineArgs)}
@@ -340,19 +425,23 @@ _DEFAULTS: dict[str, Any] = {f.name: f.default for f in dataclasses.fields(Engin
 _FLAG_SPECS: tuple[_FlagSpec, ...] = (
     _FlagSpec("model", "model directory, or ringserve-demo", str),
     _FlagSpec("tokenizer", "tokenizer directory (default: the model's)", str),
-    _FlagSpec("served_model_name", "name clients use for the model (default: MODEL as given)", str),
+    _FlagSpec("served_model_name", "names clients may use for the model; the first is the one "
+              "metrics use (default: MODEL as given)", str, nargs="+"),
     _FlagSpec("dtype", "weight and activation dtype", str,
               ("auto", "float32", "float", "bfloat16", "float16", "half")),
     _FlagSpec("seed", "random seed", int),
-    _FlagSpec("max_model_len", "longest prompt + output in tokens (default: from config.json)", int),
+    _FlagSpec("max_model_len", "longest prompt + output in tokens: 4096, 32k (= 32000), 32K "
+              "(= 32768), or auto / -1 (from config.json, the default)",
+              _flag_type(human_readable_int_or_auto)),
     _FlagSpec("block_size", "tokens per KV cache block", int),
     _FlagSpec("enable_prefix_caching", "reuse KV blocks of common prefixes", boolean=True),
     _FlagSpec("max_num_seqs", "most requests running at once", int),
-    _FlagSpec("max_num_batched_tokens", "token budget of one step", int),
+    _FlagSpec("max_num_batched_tokens", "token budget of one step (e.g. 8192, 8k)",
+              _flag_type(human_readable_int)),
     _FlagSpec("enable_chunked_prefill", "split long prompts over steps", boolean=True),
     _FlagSpec("long_prefill_token_threshold", "cap of one prompt chunk (0: off)", int),
-    _FlagSpec("tensor_parallel_size", "tensor parallel ranks", int),
-    _FlagSpec("data_parallel_size", "engine cores (data parallel ranks)", int),
+    _FlagSpec("tensor_parallel_size", "tensor parallel ranks", int, aliases=("-tp",)),
+    _FlagSpec("data_parallel_size", "engine cores (data parallel ranks)", int, aliases=("-dp",)),
     _FlagSpec("distributed_executor_backend", "executor", str, ("uni", "mp", "ray")),
     _FlagSpec("gpu_memory_utilization", "fraction of GPU memory to use", float),
     _FlagSpec("kv_cache_memory", "KV cache size in bytes (e.g. 1G, 512MiB)", parse_bytes),

@@ -53,7 +53,7 @@ from ringserve.engine.metrics.stats import IterationStats
 from ringserve.engine.output_processor import OutputProcessor
 from ringserve.engine.wire import FAULT_INSTRUCTION_METHOD, EngineCoreRequest
 from ringserve.outputs import RequestOutput
-from ringserve.sampling_params import SamplingParams
+from ringserve.sampling_params import SamplingParams, default_sampling_params
 
 logger = logging.getLogger(__name__)
 
@@ -341,7 +341,8 @@ class AsyncLLM:
             EngineGenerateError: this request failed in the engine.
             ValueError, QueueOverflowError, MaxQueuedTokensError: as `add_request`.
         """
-        params = sampling_params or SamplingParams()
+        params = sampling_params or default_sampling_params(
+            self.config.model_config.generation_defaults)
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         collector = await self.add_request(rid, prompt, params, priority=priority,
                                            data_parallel_rank=data_parallel_rank)

@@ -32,7 +32,7 @@ from ringserve.engine.llm_engine import LLMEngine
 from ringserve.engine.metrics.metrics_reader import Metric
 from ringserve.engine.wire import FAULT_INSTRUCTION_METHOD
 from ringserve.outputs import RequestOutput
-from ringserve.sampling_params import RequestOutputKind, SamplingParams
+from ringserve.sampling_params import RequestOutputKind, SamplingParams, default_sampling_params
 
 ChatMessage = dict[str, Any]
 Conversation = list[ChatMessage]
@@ -73,6 +73,11 @@ class LLM:
     def get_tokenizer(self) -> Any:
         """The engine's tokenizer."""
         return self.llm_engine.get_tokenizer()
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """The SamplingParams `generate` uses when given none: the model's generation config
+        (`--generation-config`, as vLLM does), else SamplingParams' own defaults."""
+        return default_sampling_params(self.llm_engine.config.model_config.generation_defaults)
 
     def sleep(self, level: int = 1) -> None:
         """Free memory while idle: level 1 the KV cache, level 2 also the weights."""
@@ -161,7 +166,7 @@ class LLM:
         self, prompts: list[PromptType], params: SamplingParams | Sequence[SamplingParams] | None
     ) -> list[SamplingParams]:
         if params is None:
-            params = SamplingParams()
+            params = self.get_default_sampling_params()
         if isinstance(params, SamplingParams):
             params_list = [params] * len(prompts)
         else:

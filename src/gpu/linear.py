@@ -130,6 +130,8 @@ class ColumnParallelLinear(nn.Module):
         if param is None:
             raise ValueError(f"checkpoint has a bias for a layer built without one ({name})")
         size = self.local_sizes[shard_id]
+        full = size * self.shard_ranks[shard_id]
+        check_shape(loaded, (full, self.weight.shape[1]) if name == "weight" else (full,))
         src = loaded.narrow(0, self._shard_index(shard_id) * size, size)
         param.data.narrow(0, self.offsets[shard_id], size).copy_(src)
 
@@ -166,11 +168,14 @@ class RowParallelLinear(nn.Module):
     def load(self, name: str, loaded: torch.Tensor, shard_id: int = 0) -> None:
         """Copy this rank's columns of the weight (or the whole bias)."""
         del shard_id
+        out_features = self.weight.shape[0]
         if name == "bias":
             if self.bias is None:
                 raise ValueError("checkpoint has a bias for a row-parallel layer built without one")
+            check_shape(loaded, (out_features,))
             self.bias.data.copy_(loaded)
             return
+        check_shape(loaded, (out_features, self.local_in * self.tp.world_size))
         start = self.tp.rank * self.local_in
         self.weight.data.copy_(loaded.narrow(1, start, self.local_in))
 
@@ -178,6 +183,19 @@ class RowParallelLinear(nn.Module):
         """The full output, summed over the ranks."""
         y = self.tp.all_reduce(apply_linear(x, self.weight, self.packed))
         return y if self.bias is None else y + self.bias
+
+
+def check_shape(loaded: torch.Tensor, expected: tuple[int, ...]) -> None:
+    """Refuse a checkpoint tensor whose shape is not the parameter's full shape (`copy_`
+    would broadcast a smaller one silently) or whose dtype is not a float type.
+
+    Raises:
+        ValueError: naming the shape (or dtype) found and the one expected.
+    """
+    if tuple(loaded.shape) != expected:
+        raise ValueError(f"shape {list(loaded.shape)}, expected {list(expected)}")
+    if not loaded.dtype.is_floating_point:
+        raise ValueError(f"dtype {loaded.dtype}, expected a float type")
 
 
 def _divide(total: int, parts: int, what: str) -> int:

@@ -1,58 +1,32 @@
-"""Weight loading from a Hugging Face model directory (safetensors, single file or sharded).
+"""Weight loading: safetensors (single file or sharded), GGUF, or dummy weights.
 
 The worker calls `load_model`: it builds the architecture's model from the registry directly on
-the target device in the configured dtype, then streams the checkpoint tensor by tensor (one
-tensor in host memory at a time; each parallel layer narrows it to this rank's shard before the
-copy), so two full copies of the weights never coexist; then the model repacks them for the device
-(`process_weights_after_loading`: oneDNN's layout on CPU). The config itself was read through
-transformers' AutoConfig by `ringserve.config.ModelConfig`.
+the target device in the configured dtype, then streams the checkpoint tensor by tensor into it
+(`ringserve.checkpoint.safetensors_file.TensorReader` reads each tensor into a buffer of its
+own, not through mmap; GGUF tensors are dequantized one at a time by
+`ringserve.checkpoint.gguf_file`); each parallel layer narrows a tensor to this rank's shard and
+copies it into its parameter, converting the dtype (bf16 weights into float32 compute on CPU).
+So peak memory is the model plus one checkpoint tensor. Then the model repacks its weights for
+the device (`process_weights_after_loading`: oneDNN's layout on CPU). `--load-format dummy`
+fills every parameter with small random values instead (benchmarks of a shape without its
+weights). The config was read and checked (shards present, headers whole, float dtypes) by
+`ringserve.config.ModelConfig` before any process started.
 """
 
 from __future__ import annotations
 
-import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 
+from ringserve.checkpoint.safetensors_file import TensorReader, checkpoint_files
 from ringserve.config import ModelConfig
 from ringserve.errors import ModelDirectoryError
 from ringserve.gpu.attention.backend import AttentionBackend
 from ringserve.gpu.models.llama import LlamaForCausalLM
 from ringserve.gpu.models.registry import model_class
 from ringserve.gpu.parallel import TPGroup
-
-INDEX_FILE = "model.safetensors.index.json"
-
-
-def checkpoint_files(model_dir: Path) -> list[Path]:
-    """The safetensors files of a model directory (from the shard index when there is one).
-
-    Raises:
-        ModelDirectoryError: no weights, or the index names a missing shard.
-    """
-    index = model_dir / INDEX_FILE
-    if index.is_file():
-        weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
-        files = [model_dir / name for name in sorted(set(weight_map.values()))]
-        missing = [str(f) for f in files if not f.is_file()]
-        if missing:
-            raise ModelDirectoryError(f"{index} names missing shards: {', '.join(missing)}")
-        return files
-    files = sorted(model_dir.glob("*.safetensors"))
-    if not files:
-        raise ModelDirectoryError(f"model directory {model_dir}: no *.safetensors weights")
-    return files
-
-
-def iterate_weights(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield (name, tensor) for every checkpoint tensor, one file and one tensor at a time."""
-    for path in checkpoint_files(model_dir):
-        with safe_open(str(path), framework="pt", device="cpu") as f:
-            for name in f.keys():  # noqa: SIM118 (safe_open handles are not mappings)
-                yield name, f.get_tensor(name)
 
 
 def load_model(
@@ -61,13 +35,56 @@ def load_model(
     """Build and load the model of `config` on `device`.
 
     Raises:
-        ValueError: unsupported architecture, rope type or tensor-parallel split; or a
-            checkpoint that does not match the model.
-        ModelDirectoryError: the weights are missing.
+        ValueError: unsupported architecture, rope type or tensor-parallel split.
+        ModelDirectoryError: the weights are missing, or a tensor does not fit the model
+            (the message names the file and the tensor).
     """
     cls = model_class(config.architecture)
     with torch.device(device):
         model = cls.from_config(config, tp, backend)
-    model.load_weights(iterate_weights(Path(config.model)))
+    if config.load_format == "dummy":
+        fill_dummy_weights(model, config.seed)
+    elif config.load_format == "gguf":
+        from ringserve.checkpoint.gguf_file import iterate_gguf_weights
+
+        path = Path(config.weights)
+        _load(model, iterate_gguf_weights(path, config.hf_config), lambda: str(path))
+    else:
+        reader = TensorReader(checkpoint_files(Path(config.weights)))
+        _load(model, reader, reader.describe)
     model.process_weights_after_loading()
     return model.eval()
+
+
+def _load(model: LlamaForCausalLM, weights: Iterable[tuple[str, torch.Tensor]],
+          where: Callable[[], str]) -> None:
+    """`model.load_weights`, with errors naming where the offending tensor came from."""
+    current: list[str] = []
+
+    def named() -> Iterable[tuple[str, torch.Tensor]]:
+        for name, tensor in weights:
+            current[:] = [name]
+            yield name, tensor
+        current.clear()  # an error after the last tensor (one missing) names no tensor
+
+    try:
+        model.load_weights(named())
+    except ModelDirectoryError:
+        raise
+    except (ValueError, RuntimeError) as exc:
+        source = where()
+        tensor = f"tensor {current[0]!r}: " if current else ""
+        raise ModelDirectoryError(f"{source}: {tensor}{exc}") from None
+
+
+def fill_dummy_weights(model: torch.nn.Module, seed: int) -> None:
+    """Small uniform random values in every parameter (norm scales at 1), deterministic in
+    `seed` and the same on every rank for replicated parameters."""
+    gen = torch.Generator().manual_seed(seed)
+    for name, param in model.named_parameters():
+        if name.endswith("norm.weight") or (param.dim() == 1 and "norm" in name):
+            param.data.fill_(1.0)
+            continue
+        values = torch.empty(param.shape, dtype=torch.float32).uniform_(-1e-3, 1e-3,
+                                                                         generator=gen)
+        param.data.copy_(values)

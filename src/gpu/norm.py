@@ -11,6 +11,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ringserve.gpu.linear import check_shape
+
 
 class RMSNorm(nn.Module):
     """Root-mean-square normalisation over the last dimension, with a learned scale.
@@ -29,6 +31,7 @@ class RMSNorm(nn.Module):
     def load(self, name: str, loaded: torch.Tensor, shard_id: int = 0) -> None:
         """Copy the (replicated) scale."""
         del name, shard_id
+        check_shape(loaded, tuple(self.weight.shape))
         self.weight.data.copy_(loaded)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -46,7 +46,8 @@ class TinyModelSpec:
     """The shape of a tiny model; every field goes into the cache key.
 
     Attributes:
-        arch: "llama", "mistral", "qwen2" (qkv bias) or "qwen3" (q/k norm).
+        arch: "llama", "mistral", "qwen2" (qkv bias), "qwen3" (q/k norm), "gemma2",
+            "gemma3" (text) or "phi3" (fused projections).
         hidden_size, intermediate_size, num_hidden_layers, num_attention_heads,
         num_key_value_heads, head_dim (None: hidden_size // heads): the model's shape.
         vocab_size: the embedding rows (>= the tokenizer's vocabulary).
@@ -90,14 +91,32 @@ PRESETS: dict[str, TinyModelSpec] = {
     "mistral": TinyModelSpec(arch="mistral"),
     "qwen2": TinyModelSpec(arch="qwen2", tie_word_embeddings=True),
     "qwen3": TinyModelSpec(arch="qwen3", head_dim=32),
+    # The three below cross their 8-token sliding windows within a test prompt. Gemma's head
+    # size differs from hidden / heads and from query_pre_attn_scalar, and its soft-caps are
+    # small enough to bend the scores and logits of these weights.
+    "gemma2": TinyModelSpec(arch="gemma2", head_dim=32, extra_config=(
+        '{"sliding_window": 8, "query_pre_attn_scalar": 24, "attn_logit_softcapping": 2.0, '
+        '"final_logit_softcapping": 3.0}')),
+    "gemma3": TinyModelSpec(arch="gemma3", head_dim=32, extra_config=(
+        '{"sliding_window": 8, "query_pre_attn_scalar": 24, "final_logit_softcapping": 3.0, '
+        '"layer_types": ["sliding_attention", "full_attention"], "rope_parameters": '
+        '{"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}, '
+        '"full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1000000.0}}}')),
+    "phi3": TinyModelSpec(arch="phi3", extra_config='{"sliding_window": 8}'),
 }
+
+# Families whose RMSNorm weights transformers initialises to a constant that the norm's own
+# form cancels (Gemma: zeros, scaled by 1 + w): the factory draws them at random instead, so
+# the tests see the norm weights matter.
+_RANDOM_NORM_ARCHS = ("gemma2", "gemma3", "phi3")
 
 
 def tiny_model(preset: str = "llama", **overrides: Any) -> Path:
     """The cached directory of a preset (with field overrides), built on first use.
 
     Args:
-        preset: a key of PRESETS ("demo", "llama", "mistral", "qwen2", "qwen3").
+        preset: a key of PRESETS ("demo", "llama", "mistral", "qwen2", "qwen3", "gemma2",
+            "gemma3", "phi3").
         **overrides: TinyModelSpec fields to change (e.g. seed=1, num_hidden_layers=3).
 
     Raises:
@@ -157,7 +176,10 @@ def build_model_dir(path: Path, spec: TinyModelSpec) -> Path:
     model_cls = _model_class(spec.arch)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(spec.seed)
-        model = model_cls(hf_config).to(getattr(torch, spec.dtype))
+        model = model_cls(hf_config)
+        if spec.arch in _RANDOM_NORM_ARCHS:
+            _randomize_norms(model)
+        model = model.to(getattr(torch, spec.dtype))
     model.eval()
     model.save_pretrained(str(path))
     GenerationConfig(
@@ -166,11 +188,30 @@ def build_model_dir(path: Path, spec: TinyModelSpec) -> Path:
     return path
 
 
+def _randomize_norms(model: Any) -> None:
+    """Draw every norm weight near its neutral value (under the caller's seeded RNG)."""
+    import torch
+
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.add_(torch.randn_like(param) * 0.2)
+
+
 def _hf_config(spec: TinyModelSpec, *, bos: int, eos: int, pad: int) -> Any:
-    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+    from transformers import (
+        Gemma2Config,
+        Gemma3TextConfig,
+        LlamaConfig,
+        MistralConfig,
+        Phi3Config,
+        Qwen2Config,
+        Qwen3Config,
+    )
 
     classes: dict[str, Any] = {
         "llama": LlamaConfig, "mistral": MistralConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config,
+        "gemma2": Gemma2Config, "gemma3": Gemma3TextConfig, "phi3": Phi3Config,
     }
     kwargs: dict[str, Any] = dict(
         vocab_size=spec.vocab_size,
@@ -198,8 +239,11 @@ def _hf_config(spec: TinyModelSpec, *, bos: int, eos: int, pad: int) -> Any:
 
 def _model_class(arch: str) -> Any:
     from transformers import (
+        Gemma2ForCausalLM,
+        Gemma3ForCausalLM,
         LlamaForCausalLM,
         MistralForCausalLM,
+        Phi3ForCausalLM,
         Qwen2ForCausalLM,
         Qwen3ForCausalLM,
     )
@@ -207,6 +251,7 @@ def _model_class(arch: str) -> Any:
     classes: dict[str, Any] = {
         "llama": LlamaForCausalLM, "mistral": MistralForCausalLM,
         "qwen2": Qwen2ForCausalLM, "qwen3": Qwen3ForCausalLM,
+        "gemma2": Gemma2ForCausalLM, "gemma3": Gemma3ForCausalLM, "phi3": Phi3ForCausalLM,
     }
     if arch not in classes:
         raise ValueError(f"unknown tiny model arch {arch!r}; known: {', '.join(classes)}")

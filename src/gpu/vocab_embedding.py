@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ringserve.gpu.linear import apply_linear, repack
+from ringserve.gpu.linear import apply_linear, check_shape, repack
 from ringserve.gpu.parallel import TPGroup
 
 
@@ -44,6 +44,7 @@ class VocabParallelEmbedding(nn.Module):
     def load(self, name: str, loaded: torch.Tensor, shard_id: int = 0) -> None:
         """Copy this rank's vocabulary rows from the full checkpoint matrix."""
         del name, shard_id
+        check_shape(loaded, (self.num_embeddings, self.weight.shape[1]))
         rows = self.vocab_end - self.vocab_start
         self.weight.data[:rows].copy_(loaded.narrow(0, self.vocab_start, rows))
 

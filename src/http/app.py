@@ -11,7 +11,11 @@ GET /version, GET /metrics, POST /tokenize, POST /detokenize, the control routes
 `ringserve.http.admin` and those of `ringserve.http.fault_tolerance` (admin key). `/health` is
 503 while the engine starts, drains, is dead or any core recovers from a fault. Every error is OpenAI's error body (`ringserve.http.errors`); keys are
 checked by `ringserve.http.auth`; bodies over `max_request_body_bytes` get 413
-(`ringserve.http.body_limit`).
+(`ringserve.http.body_limit`). Outermost, as in vLLM: the `--root-path` prefix becomes the
+ASGI root_path (the router then serves `/PREFIX/v1/...` and, from a proxy that strips it,
+`/v1/...`), and Starlette's CORSMiddleware answers preflights and tags responses with the
+`--allowed-origins` / `-methods` / `-headers` / `--allow-credentials` policy. `/v1/models`
+lists every served name; `/metrics` names its families by `--metrics-prefix`.
 """
 
 from __future__ import annotations
@@ -22,12 +26,15 @@ from collections.abc import Awaitable, Callable
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.applications import Starlette
 from starlette.middleware import Middleware
+from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 import ringserve
 from ringserve.engine.async_llm import AsyncLLM
+from ringserve.engine.metrics.prometheus import prefixed_registry
 from ringserve.http.admin import ADMIN_PATHS, Admin
 from ringserve.http.auth import AuthMiddleware
 from ringserve.http.body_limit import BodyLimitMiddleware
@@ -46,6 +53,25 @@ logger = logging.getLogger(__name__)
 Endpoint = Callable[[Request], Awaitable[Response]]
 
 OPEN_PATHS = ("/health", "/version", "/metrics")
+
+
+class RootPathMiddleware:
+    """Sets the ASGI `root_path` of every request to `--root-path` (as FastAPI's root_path
+    does for vLLM), so routes match under the prefix and URLs built from a request carry it.
+
+    Args:
+        app: the wrapped ASGI app.
+        root_path: "" (nothing to do) or "/a/b".
+    """
+
+    def __init__(self, app: ASGIApp, *, root_path: str) -> None:
+        self.app = app
+        self.root_path = root_path
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if self.root_path and scope["type"] in ("http", "websocket"):
+            scope = {**scope, "root_path": self.root_path}
+        await self.app(scope, receive, send)
 
 
 def _guard(ctx: AppContext, handler: Endpoint, *, generation: bool = False) -> Endpoint:
@@ -89,9 +115,10 @@ def build_app(engine: AsyncLLM, settings: ServeSettings, state: ServerState) -> 
     ctx = AppContext(engine, settings, state)
 
     async def models(request: Request) -> Response:
-        card = ModelCard(id=ctx.model_name, created=ctx.created, root=ctx.model_name,
-                         max_model_len=ctx.max_model_len)
-        return json_response(ModelList(data=[card]))
+        cards = [ModelCard(id=name, created=ctx.created, root=ctx.model_name,
+                           max_model_len=ctx.max_model_len)
+                 for name in settings.served_model_names]
+        return json_response(ModelList(data=cards))
 
     async def health(request: Request) -> Response:
         if not state.ready:
@@ -107,8 +134,10 @@ def build_app(engine: AsyncLLM, settings: ServeSettings, state: ServerState) -> 
     async def version(request: Request) -> Response:
         return json_response({"version": ringserve.__version__})
 
+    registry = prefixed_registry(settings.metrics_prefix)
+
     async def metrics(request: Request) -> Response:
-        return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)
+        return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
 
     tokenization = Tokenization(ctx)
     routes = [
@@ -129,5 +158,12 @@ def build_app(engine: AsyncLLM, settings: ServeSettings, state: ServerState) -> 
                       admin_api_key=settings.admin_api_key, open_paths=OPEN_PATHS,
                       admin_paths=(*ADMIN_PATHS, *FAULT_TOLERANCE_PATHS))
     limit = Middleware(BodyLimitMiddleware, limit=settings.max_request_body_bytes)
-    return Starlette(routes=routes, middleware=[auth, limit],
+    cors = Middleware(CORSMiddleware, allow_origins=settings.allowed_origins,
+                      allow_methods=settings.allowed_methods,
+                      allow_headers=settings.allowed_headers,
+                      allow_credentials=settings.allow_credentials)
+    root = Middleware(RootPathMiddleware, root_path=settings.root_path)
+    # The first is outermost: a preflight is answered before any key check, and a 401 still
+    # carries the CORS headers a browser needs to read it.
+    return Starlette(routes=routes, middleware=[root, cors, auth, limit],
                      exception_handlers=EXCEPTION_HANDLERS)

@@ -4,7 +4,8 @@ As in vLLM, `/health`, `/version` and `/metrics` stay open. The control routes (
 ...) need the admin key and are refused with 403 when the server has none. Every other route
 (all of `/v1`, `/tokenize`, `/detokenize`, and unknown paths) needs the API key when one is
 set. Keys arrive as `Authorization: Bearer <key>` and are compared in constant time; a missing
-or wrong key gets 401 in OpenAI's error shape.
+or wrong key gets 401 in OpenAI's error shape. Paths are compared as the router matches them:
+behind `--root-path /p`, `/p/sleep` is the control route `/sleep` (`route_path`).
 """
 
 from __future__ import annotations
@@ -16,6 +17,19 @@ from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from ringserve.http.errors import APIError
+
+
+def route_path(scope: Scope) -> str:
+    """The path the router matches: `path` less the ASGI `root_path` when it starts with it.
+
+    Starlette's router applies this rule; the key checks must see the same path, or
+    `/PREFIX/sleep` would reach the control route without the admin key.
+    """
+    path: str = scope["path"]
+    root: str = scope.get("root_path", "")
+    if root and path.startswith(root) and (len(path) == len(root) or path[len(root)] == "/"):
+        return path[len(root):]
+    return path
 
 
 def bearer_matches(authorization: str | None, key: str) -> bool:
@@ -48,7 +62,7 @@ class AuthMiddleware:
         self.admin_paths = frozenset(admin_paths)
 
     def _refusal(self, scope: Scope) -> APIError | None:
-        path: str = scope["path"]
+        path = route_path(scope)
         if path in self.open_paths:
             return None
         key = self.api_key

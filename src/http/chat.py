@@ -114,8 +114,9 @@ class Chat:
                    for out in sorted(output.outputs, key=lambda o: o.index)]
         completion_tokens = sum(len(out.token_ids) for out in output.outputs)
         return json_response(ChatCompletionResponse(
-            id=job.request_id, created=int(time.time()), model=self.ctx.model_name,
-            choices=choices, usage=usage(job.num_prompt_tokens, completion_tokens),
+            id=job.request_id, created=int(time.time()),
+            model=self.ctx.response_model(req.model), choices=choices,
+            usage=usage(job.num_prompt_tokens, completion_tokens),
             prompt_logprobs=(prompt_logprobs(output.prompt_logprobs)
                              if req.prompt_logprobs is not None else None)))
 
@@ -134,7 +135,7 @@ class Chat:
     async def _stream(self, req: ChatCompletionRequest, job: Job, plan: ChatOutputPlan,
                       echo: str, emit: Emit) -> None:
         created = int(time.time())
-        model = self.ctx.model_name
+        model = self.ctx.response_model(req.model)
         completion_tokens = 0
         parsers: dict[int, ChoiceOutput] = {}
 

@@ -4,14 +4,19 @@
 carry `--served-model-name`, `--max-num-queued-reqs`, `--max-num-queued-tokens`,
 `--disable-log-stats` and `--enable-log-requests`), then calls `settings_from_args` once the
 engine configuration exists (the served model name comes from it). Names follow vLLM's
-(`--host`, `--port`, `--api-key`, `--chat-template`, ...). Every bad value raises `ValueError`
-naming the flag, the value and what is allowed, so the CLI prints one line.
+(`--host`, `--port`, `--api-key`, `--chat-template`, `--root-path`, `--allowed-origins`,
+`--uvicorn-log-level`, ...). `check_serve_args` runs the checks that need no model, so a
+command line can be vetted without loading one. Every bad value raises `ValueError` naming
+the flag, the value and what is allowed, so the CLI prints one line.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import logging
 import math
+import re
 from pathlib import Path
 
 from ringserve import envs
@@ -21,6 +26,11 @@ from ringserve.http.settings import DEFAULT_MAX_REQUEST_BODY_BYTES, ServeSetting
 from ringserve.http.tool_parsers import TOOL_PARSERS, check_tool_parser
 
 _DEFAULTS = ServeSettings()
+
+# vLLM's --uvicorn-log-level values, as levels of hypercorn's loggers ("trace" is below DEBUG).
+LOG_LEVELS = {"critical": logging.CRITICAL, "error": logging.ERROR, "warning": logging.WARNING,
+              "info": logging.INFO, "debug": logging.DEBUG, "trace": logging.DEBUG}
+_METRICS_PREFIX = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
 
 def add_serve_args(parser: argparse.ArgumentParser) -> None:
@@ -57,14 +67,41 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--shutdown-timeout", type=float, default=_DEFAULTS.shutdown_timeout,
                        help="seconds in-flight requests may take to finish after SIGTERM/SIGINT "
                             f"(default: {_DEFAULTS.shutdown_timeout:g})")
+    group.add_argument("--root-path", default=_DEFAULTS.root_path,
+                       help="path prefix a proxy serves the API under (ASGI root_path): "
+                            "/PREFIX/v1/... and /v1/... are both served")
+    for name, what in (("origins", "origins"), ("methods", "HTTP methods"),
+                       ("headers", "request headers")):
+        group.add_argument(f"--allowed-{name}", nargs="+", type=_json_or_text, default=["*"],
+                           help=f"CORS: allowed {what}, as vLLM's JSON list "
+                                f"('[\"a\", \"b\"]') or as separate values (default: *)")
+    group.add_argument("--allow-credentials", action="store_true",
+                       help="CORS: allow credentials (cookies, Authorization) cross-origin")
+    group.add_argument("--uvicorn-log-level", choices=tuple(LOG_LEVELS), default="info",
+                       help="level of the HTTP server's own log (hypercorn; default: info)")
+    group.add_argument("--metrics-prefix", default=_DEFAULTS.metrics_prefix,
+                       help="prefix of the metric families on /metrics; vllm exposes vllm:... "
+                            "for existing dashboards and autoscalers (default: ringserve)")
+    group.add_argument("--config", metavar="FILE",
+                       help="read flags from a YAML file (keys: long flag names); flags on "
+                            "the command line win")
 
 
-def settings_from_args(ns: argparse.Namespace, engine_config: EngineConfig) -> ServeSettings:
-    """Build the frozen `ServeSettings` from the parsed flags.
+def _json_or_text(text: str) -> list[str]:
+    """One `--allowed-*` value: vLLM's JSON list of strings, or a plain item."""
+    if not text.lstrip().startswith("["):
+        return [text]
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError:
+        raise argparse.ArgumentTypeError(f"not a JSON list: {text!r}") from None
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise argparse.ArgumentTypeError(f"expected a JSON list of strings, got {text!r}")
+    return value
 
-    Args:
-        ns: the namespace `add_serve_args` (and `EngineArgs.add_cli_args`) filled.
-        engine_config: the engine's configuration (served model name, request logging).
+
+def check_serve_args(ns: argparse.Namespace) -> None:
+    """The HTTP flags' checks that need no model (ranges, parsers, prefixes).
 
     Raises:
         ValueError: a flag's value is not allowed (the message names the flag).
@@ -78,17 +115,54 @@ def settings_from_args(ns: argparse.Namespace, engine_config: EngineConfig) -> S
                          "allowed: a byte count >= 1")
     if not (math.isfinite(ns.shutdown_timeout) and ns.shutdown_timeout >= 0):
         raise ValueError(f"--shutdown-timeout: got {ns.shutdown_timeout}, allowed: seconds >= 0")
-    certfile, keyfile = _tls_files(ns.certfile, ns.keyfile)
-    parser = ns.tool_call_parser
-    if parser is not None:
-        check_tool_parser(parser)
-    if ns.enable_auto_tool_choice and parser is None:
+    if ns.tool_call_parser is not None:
+        check_tool_parser(ns.tool_call_parser)
+    if ns.enable_auto_tool_choice and ns.tool_call_parser is None:
         raise ValueError("--enable-auto-tool-choice needs --tool-call-parser (allowed: "
                          f"{', '.join(sorted(TOOL_PARSERS))})")
+    root_path(ns.root_path)
+    if not _METRICS_PREFIX.fullmatch(ns.metrics_prefix):
+        raise ValueError(f"--metrics-prefix: got {ns.metrics_prefix!r}, allowed: a Prometheus "
+                         "name (letters, digits, _; not starting with a digit), e.g. vllm")
+
+
+def root_path(value: str | None) -> str:
+    """`--root-path` normalized: "" or "/a/b" (a trailing slash dropped).
+
+    Raises:
+        ValueError: a non-empty value not starting with "/".
+    """
+    if not value or value == "/":
+        return ""
+    if not value.startswith("/"):
+        raise ValueError(f"--root-path: got {value!r}, allowed: a path starting with /, "
+                         "e.g. /llm")
+    return value.rstrip("/")
+
+
+def apply_server_log_level(level: str) -> None:
+    """Set hypercorn's loggers to `--uvicorn-log-level` (vLLM's name for its server's level)."""
+    logging.getLogger("hypercorn").setLevel(LOG_LEVELS[level])
+
+
+def settings_from_args(ns: argparse.Namespace, engine_config: EngineConfig) -> ServeSettings:
+    """Build the frozen `ServeSettings` from the parsed flags.
+
+    Args:
+        ns: the namespace `add_serve_args` (and `EngineArgs.add_cli_args`) filled.
+        engine_config: the engine's configuration (served model name, request logging).
+
+    Raises:
+        ValueError: a flag's value is not allowed (the message names the flag).
+    """
+    check_serve_args(ns)
+    certfile, keyfile = _tls_files(ns.certfile, ns.keyfile)
+    names = _served_names(ns, engine_config.model_config.served_model_name)
     return ServeSettings(
         host=ns.host,
         port=ns.port,
-        served_model_name=engine_config.model_config.served_model_name,
+        served_model_name=names[0],
+        served_model_aliases=names[1:],
         api_key=ns.api_key if ns.api_key is not None else envs.api_key(),
         admin_api_key=ns.admin_api_key or None,
         chat_template=resolve_chat_template(ns.chat_template),
@@ -98,8 +172,29 @@ def settings_from_args(ns: argparse.Namespace, engine_config: EngineConfig) -> S
         keyfile=keyfile,
         enable_log_requests=engine_config.observability_config.enable_log_requests,
         enable_auto_tool_choice=ns.enable_auto_tool_choice,
-        tool_call_parser=parser,
+        tool_call_parser=ns.tool_call_parser,
+        root_path=root_path(ns.root_path),
+        allowed_origins=_flat(ns.allowed_origins),
+        allowed_methods=_flat(ns.allowed_methods),
+        allowed_headers=_flat(ns.allowed_headers),
+        allow_credentials=ns.allow_credentials,
+        metrics_prefix=ns.metrics_prefix,
     )
+
+
+def _served_names(ns: argparse.Namespace, first: str) -> tuple[str, ...]:
+    """Every `--served-model-name` (the engine's, which metrics use, first)."""
+    given = getattr(ns, "served_model_name", None)
+    names = [given] if isinstance(given, str) else list(given or [])
+    return tuple(dict.fromkeys([first, *names]))
+
+
+def _flat(values: list[list[str]] | list[str]) -> tuple[str, ...]:
+    """The items of an `--allowed-*` flag (each value parsed into a list, or the default)."""
+    items: list[str] = []
+    for value in values:
+        items.extend([value] if isinstance(value, str) else value)
+    return tuple(items)
 
 
 def resolve_chat_template(value: str | None) -> str | None:

@@ -141,13 +141,14 @@ class Completions:
                 completion_tokens += len(out.token_ids)
         prompt_tokens = sum(job.num_prompt_tokens for job in jobs)
         return json_response(CompletionResponse(
-            id=base_id, created=int(time.time()), model=self.ctx.model_name,
+            id=base_id, created=int(time.time()), model=self.ctx.response_model(req.model),
             choices=sorted(choices, key=lambda c: c.index),
             usage=usage(prompt_tokens, completion_tokens)))
 
     async def _stream(self, req: CompletionRequest, base_id: str, jobs: list[Job],
                       emit: Emit) -> None:
         created = int(time.time())
+        model = self.ctx.response_model(req.model)
         n = jobs[0].params.n
         prompt_tokens = sum(job.num_prompt_tokens for job in jobs)
         state = _Stream()
@@ -164,13 +165,13 @@ class Completions:
                 choice_state.started = True
                 choice_state.num_tokens += len(out.token_ids)
                 await emit(CompletionResponse(
-                    id=base_id, created=created, model=self.ctx.model_name, choices=[choice],
+                    id=base_id, created=created, model=model, choices=[choice],
                     usage=(usage(prompt_tokens, state.completion_tokens())
                            if req.continuous_usage else None)))
 
         await run_jobs(self.ctx.engine, jobs, send)
         if req.include_usage:
             await emit(CompletionResponse(
-                id=base_id, created=created, model=self.ctx.model_name, choices=[],
+                id=base_id, created=created, model=model, choices=[],
                 usage=usage(prompt_tokens, state.completion_tokens())))
 

@@ -2,7 +2,8 @@
 
 `AppContext` is built once by `build_app` and handed to the route classes. It decodes bodies
 with msgspec (a decode error names the path and becomes a 400; `body_limit` makes an
-oversized body a 413), checks the model name (404 when it is not the served one),
+oversized body a 413), checks the model name (404 when it is none of the served names;
+responses echo the name the request used: `response_model`),
 tokenizes (long texts in a worker thread, as AsyncLLM does) and refuses generation while the
 server drains or before the engine is ready (503).
 """
@@ -80,9 +81,15 @@ class AppContext:
             raise bad_request(TOO_DEEP) from None
 
     def check_model(self, model: str | None) -> None:
-        """Raises APIError 404 unless `model` is the served model (or omitted)."""
-        if model is not None and model != self.model_name:
+        """Raises APIError 404 unless `model` is one of the served names (or omitted)."""
+        if model is not None and model not in self.settings.served_model_names:
             raise APIError(404, f"The model `{model}` does not exist.", "model")
+
+    def response_model(self, model: str | None) -> str:
+        """The `model` a response carries: the served name the request used, else the first."""
+        if model is not None and model in self.settings.served_model_names:
+            return model
+        return self.model_name
 
     def check_accepting(self) -> None:
         """Raises APIError 503 while draining, before the engine is ready, once it died, or

@@ -68,6 +68,9 @@ def make_job(request_id: str, prompt: TokensPrompt, params: SamplingParams,
                           f"[0, {vocab_size})", "prompt")
     requested = params.max_tokens
     max_tokens = resolve_max_tokens(requested, len(ids), model_config.max_model_len)
+    if requested is None:  # the model's max_new_tokens caps what the context leaves
+        max_tokens = min(max_tokens, int(model_config.generation_defaults.get("max_tokens",
+                                                                              max_tokens)))
     if max_tokens != requested:
         params = params.clone(max_tokens=max_tokens)
     return Job(request_id, prompt, params, req.priority)

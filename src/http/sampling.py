@@ -11,6 +11,7 @@ itself (an invalid schema is its ValueError, a 400 too).
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any, TypeVar
 
 import msgspec
@@ -106,31 +107,33 @@ def structured_outputs_of(req: SamplingRequest) -> StructuredOutputsParams | Non
 
 def to_sampling_params(req: SamplingRequest, *, max_tokens: int | None, logprobs: int | None,
                        prompt_logprobs: int | None,
-                       structured_outputs: StructuredOutputsParams | None = None
-                       ) -> SamplingParams:
+                       structured_outputs: StructuredOutputsParams | None = None,
+                       defaults: Mapping[str, Any] | None = None) -> SamplingParams:
     """The request's SamplingParams (DELTA output when streaming, else FINAL_ONLY).
 
     `max_tokens` is the requested cap (None: fill the context); `resolve_max_tokens` fixes it
     per prompt. `structured_outputs` is the request's constraint (`structured_outputs_of`,
-    or the one its tools need).
+    or the one its tools need). `defaults` (the model's generation config,
+    `ModelConfig.generation_defaults`) fill the sampling fields the request leaves unset.
 
     Raises:
         ValueError: a field is out of range (the message names it).
         APIError: `logit_bias` has a key that is not a token id.
     """
     kind = RequestOutputKind.DELTA if req.stream else RequestOutputKind.FINAL_ONLY
+    d = defaults or {}
     return SamplingParams(
         n=_or(req.n, 1),
-        temperature=_or(req.temperature, 1.0),
-        top_p=_or(req.top_p, 1.0),
-        top_k=_or(req.top_k, 0),
-        min_p=_or(req.min_p, 0.0),
+        temperature=_or(req.temperature, float(d.get("temperature", 1.0))),
+        top_p=_or(req.top_p, float(d.get("top_p", 1.0))),
+        top_k=_or(req.top_k, int(d.get("top_k", 0))),
+        min_p=_or(req.min_p, float(d.get("min_p", 0.0))),
         seed=req.seed,
         stop=req.stop,
         stop_token_ids=req.stop_token_ids,
         presence_penalty=_or(req.presence_penalty, 0.0),
         frequency_penalty=_or(req.frequency_penalty, 0.0),
-        repetition_penalty=_or(req.repetition_penalty, 1.0),
+        repetition_penalty=_or(req.repetition_penalty, float(d.get("repetition_penalty", 1.0))),
         logit_bias=_logit_bias(req.logit_bias),
         ignore_eos=req.ignore_eos,
         max_tokens=max_tokens,
@@ -161,7 +164,8 @@ def build_params(req: SamplingRequest, model_config: ModelConfig, *, max_tokens:
         structured_outputs = structured_outputs_of(req)
     params = to_sampling_params(req, max_tokens=max_tokens, logprobs=logprobs,
                                 prompt_logprobs=prompt_logprobs,
-                                structured_outputs=structured_outputs)
+                                structured_outputs=structured_outputs,
+                                defaults=model_config.generation_defaults)
     params.verify_for_model(vocab_size=model_config.vocab_size,
                             max_logprobs=model_config.max_logprobs)
     return params

@@ -23,7 +23,9 @@ class ServeSettings:
 
     Attributes:
         host, port: where to listen (default 127.0.0.1:8000).
-        served_model_name: the model name clients send and `/v1/models` lists.
+        served_model_name: the model name clients send and `/v1/models` lists (the first of
+            vLLM's `--served-model-name` list; metrics use it).
+        served_model_aliases: the other names of that list, served the same way.
         api_key: required as `Authorization: Bearer <key>` on every `/v1` route (None: open).
         admin_api_key: required on the control routes (/sleep, /wake_up, /pause, /resume,
             /reset_prefix_cache); None: those routes are refused (403).
@@ -34,6 +36,10 @@ class ServeSettings:
         enable_log_requests: log one line per request.
         enable_auto_tool_choice: `tool_choice: "auto"` is served (with `tool_call_parser`).
         tool_call_parser: the parser of auto tool calls (`ringserve.http.tool_parsers`).
+        root_path: the prefix a proxy serves the app under ("" or "/a/b"), the ASGI root_path.
+        allowed_origins, allowed_methods, allowed_headers, allow_credentials: CORS, with
+            vLLM's defaults (any origin, method and header; no credentials).
+        metrics_prefix: the prefix of the Prometheus families on /metrics ("vllm": `vllm:...`).
     """
 
     host: str = "127.0.0.1"
@@ -49,6 +55,18 @@ class ServeSettings:
     enable_log_requests: bool = False
     enable_auto_tool_choice: bool = False
     tool_call_parser: str | None = None
+    served_model_aliases: tuple[str, ...] = ()
+    root_path: str = ""
+    allowed_origins: tuple[str, ...] = ("*",)
+    allowed_methods: tuple[str, ...] = ("*",)
+    allowed_headers: tuple[str, ...] = ("*",)
+    allow_credentials: bool = False
+    metrics_prefix: str = "ringserve"
+
+    @property
+    def served_model_names(self) -> tuple[str, ...]:
+        """Every name a request may use, the primary one first."""
+        return (self.served_model_name, *self.served_model_aliases)
 
 
 @dataclass

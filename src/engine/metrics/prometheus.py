@@ -1,7 +1,9 @@
 """`PrometheusStatLogger`: scheduler and iteration stats as `ringserve:` Prometheus families.
 
 Names, types and buckets mirror vLLM's V1 metrics (`vllm:` -> `ringserve:`), labelled with
-`model_name` and `engine` (the data-parallel rank). The `StatLoggerManager` owns one for all
+`model_name` and `engine` (the data-parallel rank). `prefixed_registry("vllm")` is what
+`/metrics` serves under `--metrics-prefix vllm`: the same families named `vllm:...`, so
+dashboards and autoscalers written for vLLM read them unchanged. The `StatLoggerManager` owns one for all
 engines of a frontend; the HTTP server's `/metrics` serves the default registry.
 
 Prometheus families are process-global, yet tests (and a process that restarts its engine)
@@ -33,6 +35,7 @@ LATENCY_BUCKETS = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.
                    60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0]
 N_BUCKETS = [1.0, 2.0, 5.0, 10.0, 20.0]
 SLEEP_STATES = ("awake", "kv_cache_freed", "weights_freed")  # by sleep level 0, 1, 2
+PREFIX = "ringserve"
 
 
 def build_1_2_5_buckets(max_value: int) -> list[float]:
@@ -97,6 +100,41 @@ class _LiveRegistries(Collector):
 
 
 _LIVE = _LiveRegistries()
+
+
+class _Renamed(Collector):
+    """The families of a registry with `ringserve:` names under another prefix."""
+
+    def __init__(self, source: CollectorRegistry, prefix: str) -> None:
+        self.source = source
+        self.old = f"{PREFIX}:"
+        self.new = f"{prefix}:"
+
+    def collect(self) -> Iterable[Metric]:
+        for family in self.source.collect():
+            if not family.name.startswith(self.old):
+                yield family  # process_*, python_gc_*: the same names as vLLM's
+                continue
+            renamed = Metric(self._rename(family.name), family.documentation, family.type,
+                             family.unit)
+            renamed.samples = [s._replace(name=self._rename(s.name)) for s in family.samples]
+            yield renamed
+
+    def describe(self) -> Iterable[Metric]:
+        return []
+
+    def _rename(self, name: str) -> str:
+        return self.new + name[len(self.old):] if name.startswith(self.old) else name
+
+
+def prefixed_registry(prefix: str = PREFIX) -> CollectorRegistry:
+    """The registry `/metrics` serves: the default one, or a view of it with every
+    `ringserve:` family named `{prefix}:` instead (`--metrics-prefix vllm`)."""
+    if prefix == PREFIX:
+        return REGISTRY
+    view = CollectorRegistry(auto_describe=False)
+    view.register(_Renamed(REGISTRY, prefix))
+    return view
 
 
 class PrometheusStatLogger:
@@ -164,15 +202,15 @@ class PrometheusStatLogger:
         return ["model_name", "engine", *extra]
 
     def _gauge(self, name: str, doc: str, extra: tuple[str, ...] = ()) -> None:
-        self._families[name] = Gauge(f"ringserve:{name}", doc, self._labels(extra),
+        self._families[name] = Gauge(f"{PREFIX}:{name}", doc, self._labels(extra),
                                      registry=self.registry, multiprocess_mode="mostrecent")
 
     def _counter(self, name: str, doc: str, extra: tuple[str, ...] = ()) -> None:
-        self._families[name] = Counter(f"ringserve:{name}", doc, self._labels(extra),
+        self._families[name] = Counter(f"{PREFIX}:{name}", doc, self._labels(extra),
                                        registry=self.registry)
 
     def _histogram(self, name: str, doc: str, buckets: list[float]) -> None:
-        self._families[name] = Histogram(f"ringserve:{name}", doc, self._labels(()),
+        self._families[name] = Histogram(f"{PREFIX}:{name}", doc, self._labels(()),
                                          buckets=buckets, registry=self.registry)
 
     def _child(self, name: str, engine: int, *extra: str) -> Any:

@@ -5,6 +5,9 @@ The attention block of each model (`ringserve.gpu.models.llama`) holds one backe
 (`cpu_native`) when it builds on this machine, else the torch reference. The worker's
 `attention_backend` argument ("auto", "torch", "cpu", "triton") overrides, and so does
 `RINGSERVE_ATTENTION_BACKEND` when that argument is "auto".
+
+Every backend takes a layer's sliding window and logit soft-cap per `attend` call (Gemma 2
+alternates windowed and global layers, so one backend instance sees both).
 """
 
 from __future__ import annotations
@@ -61,26 +64,39 @@ class AttentionBackend(Protocol):
 
 
 class StepPlans(Generic[P]):
-    """The current step's plan, built by the first layer and reused by the others.
+    """The current step's plans, built by the first layer of each kind and reused by the rest.
 
-    Keyed by identity: the metadata is immutable and built afresh every step; holding it keeps
-    its id from being reused while the plan is cached.
+    Keyed by the metadata's identity: it is immutable and built afresh every step; holding it
+    keeps its id from being reused while the plans are cached. Within a step, one plan per
+    cache shape and sliding window (a model may mix windowed and global layers).
 
     Args:
-        build: makes the plan of a step's metadata for caches shaped like the given one.
+        build: makes the plan of a step's metadata for caches shaped like the given one and
+            layers with the given sliding window.
+
+    Attributes:
+        entry: (metadata, cache shape, plan) of the plan last handed out.
     """
 
-    def __init__(self, build: Callable[[AttentionMetadata, torch.Tensor], P]) -> None:
+    def __init__(
+        self, build: Callable[[AttentionMetadata, torch.Tensor, int | None], P]
+    ) -> None:
         self._build = build
+        self._step: AttentionMetadata | None = None
+        self._plans: dict[tuple[torch.Size, int | None], P] = {}
         self.entry: tuple[AttentionMetadata, torch.Size, P] | None = None
 
-    def get(self, meta: AttentionMetadata, kv_cache: torch.Tensor) -> P:
+    def get(self, meta: AttentionMetadata, kv_cache: torch.Tensor,
+            sliding_window: int | None = None) -> P:
         """The plan of `meta` (built now unless this step's is cached)."""
-        entry = self.entry
-        if entry is not None and entry[0] is meta and entry[1] == kv_cache.shape:
-            return entry[2]
-        plan = self._build(meta, kv_cache)
-        self.entry = (meta, kv_cache.shape, plan)
+        if self._step is not meta:
+            self._step, self._plans = meta, {}
+        key = (kv_cache.shape, sliding_window)
+        if key not in self._plans:
+            self._plans[key] = self._build(meta, kv_cache, sliding_window)
+        plan = self._plans[key]
+        if self.entry is None or self.entry[2] is not plan:
+            self.entry = (meta, kv_cache.shape, plan)
         return plan
 
 
@@ -103,15 +119,31 @@ class TorchAttentionBackend:
         torch_ref.write_kv(key, value, kv_cache, slot_mapping)
 
     def attend(
-        self, query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float
+        self,
+        query: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+        *,
+        sliding_window: int | None = None,
+        logits_soft_cap: float | None = None,
     ) -> torch.Tensor:
-        """See `AttentionBackend.attend`."""
-        return torch_ref.paged_attention(query, kv_cache, meta, scale, self.plans.get(meta, kv_cache))
+        """See `AttentionBackend.attend`.
+
+        Raises:
+            ValueError: a bad window or soft-cap (`torch_ref.check_options`).
+        """
+        torch_ref.check_options(sliding_window, logits_soft_cap)
+        return torch_ref.paged_attention(
+            query, kv_cache, meta, scale, self.plans.get(meta, kv_cache, sliding_window),
+            sliding_window=sliding_window, logits_soft_cap=logits_soft_cap,
+        )
 
 
 class CpuAttentionBackend(TorchAttentionBackend):
-    """Decodes through the C kernel reading the paged cache in place (`cpu_native`);
-    multi-token queries, and caches other than float32, through the torch reference.
+    """Decodes through the C kernel reading the paged cache in place (`cpu_native`, which
+    applies the window and soft-cap itself); multi-token queries, and caches other than
+    float32, through the torch reference.
 
     Like the torch backend, one instance serves every layer and keeps the step's plan.
 
@@ -130,20 +162,39 @@ class CpuAttentionBackend(TorchAttentionBackend):
         if kernel is None:
             raise ValueError(_CPU_NEEDS)
         self.kernel = kernel
-        self.decode_plans = StepPlans(cpu_native.plan_decodes)
+        # The kernel windows each decode itself: one decode plan serves every layer.
+        self.decode_plans = StepPlans(lambda meta, cache, _window: cpu_native.plan_decodes(
+            meta, cache))
 
     def attend(
-        self, query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float
+        self,
+        query: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+        *,
+        sliding_window: int | None = None,
+        logits_soft_cap: float | None = None,
     ) -> torch.Tensor:
-        """See `AttentionBackend.attend`."""
+        """See `AttentionBackend.attend`.
+
+        Raises:
+            ValueError: a bad window or soft-cap (`torch_ref.check_options`), or shapes that
+                do not fit the cache (`cpu_native.decode_attention`).
+        """
         if (query.dtype != torch.float32 or kv_cache.dtype != torch.float32
                 or query.device.type != "cpu" or not kv_cache.is_contiguous()):
-            return super().attend(query, kv_cache, meta, scale)
+            return super().attend(query, kv_cache, meta, scale, sliding_window=sliding_window,
+                                  logits_soft_cap=logits_soft_cap)
+        torch_ref.check_options(sliding_window, logits_soft_cap)
         plan = self.decode_plans.get(meta, kv_cache)
         query = query.contiguous()
         out = torch.empty_like(query)
-        cpu_native.decode_attention(self.kernel, query, kv_cache, plan, scale, out)
-        torch_ref.attend_requests(query, kv_cache, meta, plan.requests, scale, out)
+        cpu_native.decode_attention(self.kernel, query, kv_cache, plan, scale, out,
+                                    sliding_window=sliding_window,
+                                    logits_soft_cap=logits_soft_cap)
+        torch_ref.attend_requests(query, kv_cache, meta, plan.requests, scale, out,
+                                  sliding_window=sliding_window, logits_soft_cap=logits_soft_cap)
         return out
 
 
@@ -161,12 +212,24 @@ class TritonAttentionBackend:
         write_kv(key, value, kv_cache, slot_mapping)
 
     def attend(
-        self, query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float
+        self,
+        query: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+        *,
+        sliding_window: int | None = None,
+        logits_soft_cap: float | None = None,
     ) -> torch.Tensor:
-        """See `AttentionBackend.attend`."""
+        """See `AttentionBackend.attend`.
+
+        Raises:
+            ValueError: a bad window or soft-cap (`torch_ref.check_options`).
+        """
         from ringserve.gpu.attention.triton_kernels import paged_attention
 
-        return paged_attention(query, kv_cache, meta, scale)
+        return paged_attention(query, kv_cache, meta, scale, sliding_window=sliding_window,
+                               logits_soft_cap=logits_soft_cap)
 
 
 _warned_triton = False

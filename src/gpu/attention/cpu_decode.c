@@ -11,6 +11,10 @@
  * query row rows[i], attending to the first lens[i] tokens of its sequence, whose blocks are
  * tables[i * max_blocks ...]. The caller has checked every block id it will read.
  *
+ * window > 0: decode i sees only its last `window` positions (lens[i] - window .. lens[i] - 1,
+ * transformers' sliding window), so the key loops start there. soft_cap > 0: each score
+ * becomes soft_cap * tanh(score / soft_cap) after the scale (Gemma 2). Zero turns either off.
+ *
  * One task is one (decode, kv head) pair: its group of hq / hkv query heads shares every key
  * and value read. Scores are kept whole (lens[i] floats per query head) and softmaxed in three
  * passes, exactly (no online rescaling): the sequences here are at most max_model_len long.
@@ -50,7 +54,7 @@ int ringserve_paged_decode_f32(
     const float *q, float *out, const float *cache, int64_t num_slots,
     const int64_t *rows, const int32_t *lens, const int32_t *tables, int64_t max_blocks,
     int64_t n, int64_t hq, int64_t hkv, int64_t d, int64_t block_size, float scale,
-    int64_t max_len, int nthreads)
+    int64_t max_len, int64_t window, float soft_cap, int nthreads)
 {
     const int64_t group = hq / hkv;
     const int64_t row = hkv * d; /* floats per slot: every kv head's key (or value) */
@@ -67,12 +71,16 @@ int ringserve_paged_decode_f32(
         for (int64_t i = 0; i < n; i++) {
             if (scores == NULL || acc == NULL)
                 continue;
-            const int64_t len = lens[i];
+            /* Keys lo .. lens[i] - 1; scores and weights are indexed from lo. */
+            const int64_t lo = window > 0 && lens[i] > window ? lens[i] - window : 0;
+            const int64_t len = lens[i] - lo;
             const int32_t *table = tables + i * max_blocks;
             const float *qi = q + rows[i] * hq * d;
 
             for (int64_t p = 0; p < len; p++) {
-                const int64_t slot = (int64_t)table[p / block_size] * block_size + p % block_size;
+                const int64_t pos = lo + p;
+                const int64_t slot = (int64_t)table[pos / block_size] * block_size
+                                     + pos % block_size;
                 const float *k = cache + slot * row;
                 for (int64_t head = 0; head < hq; head++) {
                     const float *qh = qi + head * d, *kh = k + (head / group) * d;
@@ -85,6 +93,10 @@ int ringserve_paged_decode_f32(
             }
             for (int64_t head = 0; head < hq; head++) {
                 float *s = scores + head * max_len;
+                if (soft_cap > 0.f) {
+                    for (int64_t p = 0; p < len; p++)
+                        s[p] = soft_cap * tanhf(s[p] / soft_cap);
+                }
                 float top = s[0];
                 for (int64_t p = 1; p < len; p++)
                     top = s[p] > top ? s[p] : top;
@@ -101,7 +113,9 @@ int ringserve_paged_decode_f32(
             }
             memset(acc, 0, sizeof(float) * (size_t)(hq * d));
             for (int64_t p = 0; p < len; p++) {
-                const int64_t slot = (int64_t)table[p / block_size] * block_size + p % block_size;
+                const int64_t pos = lo + p;
+                const int64_t slot = (int64_t)table[pos / block_size] * block_size
+                                     + pos % block_size;
                 const float *v = values + slot * row;
                 for (int64_t head = 0; head < hq; head++) {
                     const float w = scores[head * max_len + p], *vh = v + (head / group) * d;

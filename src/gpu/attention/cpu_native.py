@@ -14,7 +14,9 @@ Every step, `plan_decodes` picks the single-token queries (decodes), checks ever
 will read against the cache (a bad schedule must raise, not read out of bounds), and lays out
 their rows, lengths and block tables for the kernel; the backend builds this plan once per step
 for all layers. Multi-token queries (prefill chunks) and caches other than float32 go through
-the torch reference.
+the torch reference. A layer's sliding window and logit soft-cap are arguments of each call
+(the kernel starts a windowed decode's key loop at its window), so the plan does not depend
+on them.
 """
 
 from __future__ import annotations
@@ -101,12 +103,16 @@ def plan_decodes(meta: AttentionMetadata, kv_cache: torch.Tensor) -> DecodePlan:
 
 
 def decode_attention(kernel: Kernel, query: torch.Tensor, kv_cache: torch.Tensor,
-                     plan: DecodePlan, scale: float, out: torch.Tensor) -> None:
+                     plan: DecodePlan, scale: float, out: torch.Tensor, *,
+                     sliding_window: int | None = None,
+                     logits_soft_cap: float | None = None) -> None:
     """Write the attention of `plan`'s decode rows of `query` [T, Hq, D] into `out`, with
     `kernel` (what `load_kernel` returned).
 
     Both `query` and `out` are contiguous float32 and `kv_cache` is this layer's contiguous
-    float32 cache (the backend checks; other rows of `out` are left as they are).
+    float32 cache (the backend checks; other rows of `out` are left as they are). The window
+    and soft-cap are as in `AttentionBackend.attend` (checked by the caller:
+    `torch_ref.check_options`).
 
     Raises:
         ValueError: the shapes disagree (the kernel would read or write out of bounds).
@@ -125,7 +131,7 @@ def decode_attention(kernel: Kernel, query: torch.Tensor, kv_cache: torch.Tensor
         query.data_ptr(), out.data_ptr(), kv_cache.data_ptr(), num_blocks * block_size,
         plan.rows.ctypes.data, plan.lens.ctypes.data, plan.tables.ctypes.data,
         plan.tables.shape[1], n, query.shape[1], heads, dim, block_size, scale, plan.max_len,
-        torch.get_num_threads(),
+        sliding_window or 0, logits_soft_cap or 0.0, torch.get_num_threads(),
     )
     if status != 0:
         raise MemoryError("attention: the CPU kernel could not allocate its scratch buffers")
@@ -180,7 +186,7 @@ def _load(key: str) -> Kernel | None:
     kernel = getattr(library, _SYMBOL)
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     kernel.argtypes = [ptr, ptr, ptr, i64, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64,
-                       ctypes.c_float, i64, ctypes.c_int]
+                       ctypes.c_float, i64, i64, ctypes.c_float, ctypes.c_int]
     kernel.restype = ctypes.c_int
     kernel_fn: Kernel = kernel
     return kernel_fn

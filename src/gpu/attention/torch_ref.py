@@ -19,10 +19,20 @@ gathered keys and values stay cache-sized: on CPU the gather and SDPA are memory
 32-request gather (16 MB at 500 tokens each) spilled out of cache and cost ~1.5x more than the
 same work in groups of ~4 MB (measured, 1 and 2 threads). Multi-token queries (prefill chunks)
 go request by request.
+
+Sliding window and logit soft-capping (Mistral, Gemma 2/3): a query at position p sees keys
+p - sliding_window + 1 .. p (transformers' `sliding_window_overlay`). A windowed decode gathers
+only its sequence's last `sliding_window` keys (so the plan depends on the window: the backend
+keeps one per window value a step uses); a prefill chunk gathers from the first block its
+earliest row sees and masks each row by its own position. Soft-capping
+(`cap * tanh(scores / cap)` after the scale, before the softmax) has no SDPA form, so those
+calls compute the scores explicitly, in float32. With both off (None) the code paths are the
+ones without them.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -41,6 +51,10 @@ _CALL_COST_KEYS = 256
 # Most bytes of keys plus values one decode group gathers (see the module docstring).
 _GROUP_BYTES = 4 << 20
 
+# Most float32 scores one soft-capped prefill call holds at once (64 MB): a long chunk is split
+# by query rows, since the explicit path materializes [heads, rows, keys].
+_CAPPED_SCORES = 16 << 20
+
 
 @dataclass(frozen=True)
 class DecodeGroup:
@@ -49,11 +63,12 @@ class DecodeGroup:
     Attributes:
         token_rows: int64 [G]: the query rows of the group's requests.
         kv_rows: int64 [2 * G * length]: rows of the flat `[2 * slots, heads * dim]` cache
-            view to gather: keys of each request in sequence order, then values; padding
-            positions read slot 0 and are masked.
+            view to gather: the keys each request attends to (its whole sequence, or its last
+            `sliding_window` positions) in sequence order, then values; padding positions
+            read slot 0 and are masked.
         mask: bool [G, 1, 1, length]: the real key positions; None when every sequence of
             the group is `length` long.
-        length: the group's longest sequence.
+        length: the most keys a request of the group attends to.
         whole_batch: the group holds every query row of the step, in order (the output is
             the SDPA result itself, no scatter).
     """
@@ -73,10 +88,28 @@ class AttentionPlan:
         groups: the batched decode calls.
         requests: (request index, its block ids as int64) for requests attended one by one
             (multi-token queries).
+        sliding_window: the window the decode groups were gathered for (None: none).
     """
 
     groups: list[DecodeGroup]
     requests: list[tuple[int, torch.Tensor]]
+    sliding_window: int | None = None
+
+
+def check_options(sliding_window: int | None, logits_soft_cap: float | None) -> None:
+    """Raise unless the window and soft-cap are usable (None, or a positive finite value).
+
+    Raises:
+        ValueError: sliding_window < 1 (or not an int), or a soft-cap that is not finite > 0.
+    """
+    if sliding_window is not None and (
+            isinstance(sliding_window, bool) or not isinstance(sliding_window, int)
+            or sliding_window < 1):
+        raise ValueError(f"attention: sliding_window must be an int >= 1 or None, "
+                         f"got {sliding_window!r}")
+    if logits_soft_cap is not None and not 0.0 < logits_soft_cap < math.inf:
+        raise ValueError(f"attention: logits_soft_cap must be a finite number > 0 or None, "
+                         f"got {logits_soft_cap!r}")
 
 
 def write_kv(
@@ -88,8 +121,11 @@ def write_kv(
     kv_cache[1].view(-1, heads, dim).index_copy_(0, slot_mapping, value.to(kv_cache.dtype))
 
 
-def plan_attention(meta: AttentionMetadata, kv_cache: torch.Tensor) -> AttentionPlan:
-    """The gather plan of `meta` for caches shaped like `kv_cache` (any layer of the step).
+def plan_attention(
+    meta: AttentionMetadata, kv_cache: torch.Tensor, sliding_window: int | None = None
+) -> AttentionPlan:
+    """The gather plan of `meta` for caches shaped like `kv_cache` (any layer of the step)
+    whose layers use `sliding_window` (a windowed decode gathers only the keys it sees).
 
     Built with numpy on host copies (a torch op costs a few microseconds of dispatch each,
     several times a numpy op on arrays this small).
@@ -104,15 +140,19 @@ def plan_attention(meta: AttentionMetadata, kv_cache: torch.Tensor) -> Attention
                               device)
     decodes = np.flatnonzero(query_lens == 1).tolist()
     row_bytes = 2 * heads * dim * kv_cache.element_size()  # one position's key and value
-    groups = _length_groups(decodes, meta.seq_lens_cpu, max(1, _GROUP_BYTES // row_bytes))
+    keys = meta.seq_lens_cpu  # keys each decode attends to
+    if sliding_window is not None:
+        keys = np.minimum(lens, sliding_window).tolist()
+    groups = _length_groups(decodes, keys, max(1, _GROUP_BYTES // row_bytes))
     whole = len(decodes) == int(qsl[-1])  # every query row is a decode
     plans = [
-        _decode_group(table, qsl, lens, rows, block_size, num_blocks * block_size, device)
+        _decode_group(table, qsl, lens, rows, block_size, num_blocks * block_size, device,
+                      sliding_window)
         for rows in groups
     ]
     if whole and len(plans) == 1:
         plans[0] = replace(plans[0], whole_batch=True)
-    return AttentionPlan(groups=plans, requests=requests)
+    return AttentionPlan(groups=plans, requests=requests, sliding_window=sliding_window)
 
 
 def paged_attention(
@@ -121,6 +161,9 @@ def paged_attention(
     meta: AttentionMetadata,
     scale: float,
     plan: AttentionPlan | None = None,
+    *,
+    sliding_window: int | None = None,
+    logits_soft_cap: float | None = None,
 ) -> torch.Tensor:
     """Attention of the new queries [T, Hq, D] over each request's cached sequence.
 
@@ -131,19 +174,31 @@ def paged_attention(
         kv_cache: this layer's cache.
         meta: the step's attention metadata.
         scale: the softmax scale.
-        plan: `plan_attention(meta, kv_cache)`, when the caller keeps it across layers.
+        plan: `plan_attention(meta, kv_cache, sliding_window)`, when the caller keeps it
+            across layers.
+        sliding_window: a query at position p sees keys p - sliding_window + 1 .. p only.
+        logits_soft_cap: scores become cap * tanh(scores / cap) before the softmax.
 
     Returns:
         [T, Hq, D] in the query's dtype.
+
+    Raises:
+        ValueError: a bad window or soft-cap (`check_options`), or a plan for another window.
     """
+    check_options(sliding_window, logits_soft_cap)
     if plan is None:
-        plan = plan_attention(meta, kv_cache)
+        plan = plan_attention(meta, kv_cache, sliding_window)
+    elif plan.sliding_window != sliding_window:
+        raise ValueError(f"attention: a plan for sliding_window {plan.sliding_window} used "
+                         f"with sliding_window {sliding_window}")
+    cap = logits_soft_cap
     if len(plan.groups) == 1 and plan.groups[0].whole_batch:
-        return _batched_decode(query, kv_cache, scale, plan.groups[0])
+        return _batched_decode(query, kv_cache, scale, plan.groups[0], cap)
     out = torch.empty_like(query)
     for group in plan.groups:
-        out.index_copy_(0, group.token_rows, _batched_decode(query, kv_cache, scale, group))
-    attend_requests(query, kv_cache, meta, plan.requests, scale, out)
+        out.index_copy_(0, group.token_rows, _batched_decode(query, kv_cache, scale, group, cap))
+    attend_requests(query, kv_cache, meta, plan.requests, scale, out,
+                    sliding_window=sliding_window, logits_soft_cap=cap)
     return out
 
 
@@ -156,15 +211,29 @@ def request_blocks(table: np.ndarray, lens: np.ndarray, indices: list[int], bloc
 
 def attend_requests(query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
                     requests: list[tuple[int, torch.Tensor]], scale: float,
-                    out: torch.Tensor) -> None:
-    """Attend each of `requests` (multi-token queries) on its own, into its rows of `out`."""
+                    out: torch.Tensor, *, sliding_window: int | None = None,
+                    logits_soft_cap: float | None = None) -> None:
+    """Attend each of `requests` (multi-token queries) on its own, into its rows of `out`.
+
+    Query row j of request i sits at position seq_lens[i] - query_len + j (`metadata`); with
+    a window, keys before the earliest row's window are not read.
+    """
     qsl, lens = meta.query_start_loc_cpu, meta.seq_lens_cpu
+    block_size = kv_cache.shape[2]
     for i, blocks in requests:
         seq_len, start, end = lens[i], qsl[i], qsl[i + 1]
-        k = kv_cache[0].index_select(0, blocks).flatten(0, 1)[:seq_len].transpose(0, 1)
-        v = kv_cache[1].index_select(0, blocks).flatten(0, 1)[:seq_len].transpose(0, 1)
+        window = sliding_window
+        if window is not None and window >= seq_len:
+            window = None  # no row of this request reaches past its sequence's start
+        first = 0  # the first block-aligned key position any row sees
+        if window is not None:
+            first = max(0, seq_len - (end - start) - window + 1) // block_size * block_size
+        used = blocks[first // block_size:] if first else blocks
+        k = kv_cache[0].index_select(0, used).flatten(0, 1)[:seq_len - first].transpose(0, 1)
+        v = kv_cache[1].index_select(0, used).flatten(0, 1)[:seq_len - first].transpose(0, 1)
         q = query[start:end].transpose(0, 1)
-        out[start:end] = _attend(q, k.to(q.dtype), v.to(q.dtype), seq_len, scale).transpose(0, 1)
+        out[start:end] = _attend(q, k.to(q.dtype), v.to(q.dtype), seq_len, scale, window,
+                                 logits_soft_cap).transpose(0, 1)
 
 
 def _length_groups(
@@ -190,20 +259,23 @@ def _length_groups(
 
 def _decode_group(
     table: np.ndarray, qsl: np.ndarray, lens: np.ndarray, rows: list[int], block_size: int,
-    num_slots: int, device: torch.device,
+    num_slots: int, device: torch.device, sliding_window: int | None = None,
 ) -> DecodeGroup:
     index = np.array(sorted(rows))  # query order: a group of the whole batch needs no scatter
     group_lens = lens[index]
-    length = int(group_lens.max())
-    positions = np.arange(length)
+    keys = group_lens if sliding_window is None else np.minimum(group_lens, sliding_window)
+    length = int(keys.max())
+    # Column c of row g is key position c of its window, which ends at the sequence's end.
+    positions = np.arange(length) + (group_lens - keys)[:, None]  # [G, length]
+    valid = np.arange(length) < keys[:, None]
+    positions[~valid] = 0  # past a shorter window: never index the table out of range
     slots = table[index[:, None], positions // block_size].astype(np.int64) * block_size
     slots += positions % block_size
-    valid = positions < group_lens[:, None]  # [G, length]
     # Padding reads slot 0: block table entries past a request's end may be stale.
     slots[~valid] = 0
     flat = slots.ravel()
     mask = None
-    if int(group_lens.min()) < length:
+    if int(keys.min()) < length:
         mask = _tensor(valid, device)[:, None, None, :]
     return DecodeGroup(
         token_rows=_tensor(qsl[index], device),
@@ -220,7 +292,8 @@ def _tensor(array: np.ndarray, device: torch.device) -> torch.Tensor:
 
 
 def _batched_decode(
-    query: torch.Tensor, kv_cache: torch.Tensor, scale: float, group: DecodeGroup
+    query: torch.Tensor, kv_cache: torch.Tensor, scale: float, group: DecodeGroup,
+    logits_soft_cap: float | None = None,
 ) -> torch.Tensor:
     """One SDPA call for a group of single-token queries; returns [G, Hq, D]."""
     heads, dim = kv_cache.shape[-2], kv_cache.shape[-1]
@@ -230,6 +303,9 @@ def _batched_decode(
     q = query if group.whole_batch else query.index_select(0, group.token_rows)
     if kv.dtype != q.dtype:
         kv = kv.to(q.dtype)
+    if logits_soft_cap is not None:
+        mask = None if group.mask is None else group.mask[:, 0]
+        return _capped(q.unsqueeze(2), kv[0], kv[1], mask, scale, logits_soft_cap).squeeze(2)
     attn = F.scaled_dot_product_attention(
         q.unsqueeze(2), kv[0], kv[1], attn_mask=group.mask, scale=scale, enable_gqa=True
     )
@@ -237,10 +313,14 @@ def _batched_decode(
 
 
 def _attend(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq_len: int, scale: float
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq_len: int, scale: float,
+    sliding_window: int | None = None, logits_soft_cap: float | None = None,
 ) -> torch.Tensor:
+    """q [Hq, n, D] (the sequence's last n positions) over k, v [Hkv, L, D] (its last L)."""
     num_queries = q.shape[1]
     context = seq_len - num_queries
+    if sliding_window is not None or logits_soft_cap is not None:
+        return _attend_masked(q, k, v, seq_len, scale, sliding_window, logits_soft_cap)
     mask: torch.Tensor | None = None
     causal = False
     if context == 0:
@@ -251,3 +331,50 @@ def _attend(
     return F.scaled_dot_product_attention(
         q, k, v, attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=True
     )
+
+
+def _attend_masked(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq_len: int, scale: float,
+    sliding_window: int | None, logits_soft_cap: float | None,
+) -> torch.Tensor:
+    """`_attend` with a window and/or a soft-cap: a mask from each row's absolute position."""
+    num_queries, num_keys = q.shape[1], k.shape[1]
+    rows = torch.arange(seq_len - num_queries, seq_len, device=q.device)[:, None]
+    cols = torch.arange(seq_len - num_keys, seq_len, device=q.device)[None, :]
+    mask = cols <= rows
+    if sliding_window is not None:
+        mask &= cols > rows - sliding_window
+    if logits_soft_cap is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale,
+                                              enable_gqa=True)
+    step = max(1, _CAPPED_SCORES // (q.shape[0] * num_keys))  # query rows per piece
+    pieces = [
+        _capped(q[None, :, s:s + step], k[None], v[None], mask[None, s:s + step], scale,
+                logits_soft_cap)[0]
+        for s in range(0, num_queries, step)
+    ]
+    return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=1)
+
+
+def _capped(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+    scale: float, cap: float,
+) -> torch.Tensor:
+    """Soft-capped attention: q [B, Hq, n, D] over k, v [B, Hkv, L, D] where `mask`
+    [B, n, L] (True: attend; None: all); returns [B, Hq, n, D] in v's dtype.
+
+    Query head h reads kv head h // (Hq / Hkv), as SDPA's enable_gqa does; the scores are
+    float32 from the matmul on, like transformers' eager Gemma 2 softmax.
+    """
+    batch, q_heads, num_queries, dim = q.shape
+    kv_heads, num_keys = k.shape[1], k.shape[2]
+    group = q_heads // kv_heads
+    grouped = q.reshape(batch, kv_heads, group * num_queries, dim)
+    scores = torch.matmul(grouped, k.transpose(-1, -2)).float() * scale
+    scores = torch.tanh(scores / cap) * cap
+    if mask is not None:
+        scores = scores.view(batch, kv_heads, group, num_queries, num_keys)
+        scores = scores.masked_fill(~mask[:, None, None], float("-inf"))
+        scores = scores.view(batch, kv_heads, group * num_queries, num_keys)
+    probs = torch.softmax(scores, dim=-1).to(v.dtype)
+    return torch.matmul(probs, v).view(batch, q_heads, num_queries, dim)

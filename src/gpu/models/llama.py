@@ -11,6 +11,7 @@ the types stay precise (torch's `Module.__call__` returns Any); no hooks are use
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -67,6 +68,9 @@ class LlamaAttention(nn.Module):
         self.k_norm = RMSNorm(d, spec.rms_norm_eps, spec.dtype) if spec.qk_norm else None
         self.backend = backend
         self.rotary = [rotary]  # a list, so the shared table is not registered once per layer
+        # Set per layer by families that need them (Gemma); passed through to the backend.
+        self.sliding_window: int | None = spec.sliding_window
+        self.logits_soft_cap: float | None = None
 
     def forward(
         self,
@@ -90,7 +94,8 @@ class LlamaAttention(nn.Module):
             )
             q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
         self.backend.write_kv(k, v, kv_cache, meta.slot_mapping)
-        out = self.backend.attend(q, kv_cache, meta, self.scale)
+        out = self.backend.attend(q, kv_cache, meta, self.scale, sliding_window=self.sliding_window,
+                                  logits_soft_cap=self.logits_soft_cap)
         return self.o_proj.forward(out.reshape(t, q_size))
 
 
@@ -169,6 +174,23 @@ class LlamaModel(nn.Module):
         return self.norm.forward(hidden)
 
 
+class DecoderStack(Protocol):
+    """What `LlamaForCausalLM` needs of its decoder (`LlamaModel`, or a family's own stack
+    such as Gemma's): the token embedding, which a tied LM head shares, and the forward."""
+
+    embed_tokens: VocabParallelEmbedding
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[torch.Tensor],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        """Final hidden states [T, hidden] for a flat batch of tokens."""
+        ...
+
+
 class LlamaForCausalLM(nn.Module):
     """The decoder plus the (possibly tied) vocabulary-parallel LM head.
 
@@ -181,7 +203,7 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, spec: DecoderSpec, tp: TPGroup, backend: AttentionBackend) -> None:
         super().__init__()
         self.spec = spec
-        self.model = LlamaModel(spec, tp, backend)
+        self.model: DecoderStack = self.build_model(spec, tp, backend)
         self.lm_head = ParallelLMHead(spec.vocab_size, spec.hidden_size, tp=tp, dtype=spec.dtype)
         if spec.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
@@ -196,6 +218,10 @@ class LlamaForCausalLM(nn.Module):
             ValueError: an unsupported rope type or tensor-parallel split.
         """
         return cls(DecoderSpec.from_model_config(config), tp, backend)
+
+    def build_model(self, spec: DecoderSpec, tp: TPGroup, backend: AttentionBackend) -> DecoderStack:
+        """The decoder stack (families with another layer structure override this)."""
+        return LlamaModel(spec, tp, backend)
 
     def forward(
         self,

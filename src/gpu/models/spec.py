@@ -37,6 +37,8 @@ class DecoderSpec:
         mlp_bias: the MLP projections have biases.
         tie_word_embeddings: the LM head shares the embedding matrix.
         dtype: parameter and activation dtype.
+        sliding_window: every layer attends to this many most recent positions only (Phi-3);
+            None: full attention. Families with per-layer windows (Gemma) set it per layer.
     """
 
     vocab_size: int
@@ -54,10 +56,12 @@ class DecoderSpec:
     mlp_bias: bool
     tie_word_embeddings: bool
     dtype: torch.dtype
+    sliding_window: int | None = None
 
     @classmethod
     def from_model_config(
-        cls, config: ModelConfig, *, qkv_bias: bool | None = None, qk_norm: bool = False
+        cls, config: ModelConfig, *, qkv_bias: bool | None = None, qk_norm: bool = False,
+        sliding_window: int | None = None,
     ) -> DecoderSpec:
         """Derive the spec; `qkv_bias` None means the config's `attention_bias`.
 
@@ -81,4 +85,5 @@ class DecoderSpec:
             mlp_bias=bool(hf.get("mlp_bias", False)),
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
             dtype=TORCH_DTYPES[config.dtype],
+            sliding_window=sliding_window,
         )
