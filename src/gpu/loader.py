@@ -50,7 +50,7 @@ def load_model(
         path = Path(config.weights)
         _load(model, iterate_gguf_weights(path, config.hf_config), lambda: str(path))
     else:
-        reader = TensorReader(checkpoint_files(Path(config.weights)))
+        reader = TensorReader(checkpoint_files(Path(config.weights)), reuse_buffer=True)
         _load(model, reader, reader.describe)
     model.process_weights_after_loading()
     return model.eval()
