@@ -28,7 +28,8 @@ the sequence being run rather than on the position alone: `dynamic` recomputes t
 `longrope` switches every position of a pass to `long_factor` once `seq_len` passes
 `original_max_position_embeddings`. A paged engine cannot do that: a key is rotated once, stored
 in the KV cache, shared by prefix-cache hits and computed in prefill chunks, and one batch holds
-many sequences, so the table here is a fixed function of the position. It is chosen so that it
+many sequences, so the table here is a fixed function of the position (which also keeps a
+preempted request's recomputed keys equal to the ones it had). It is chosen so that it
 reproduces transformers' cached greedy generation step by step:
 
 - default, linear, llama3, yarn: position-independent frequencies; equal at every position.
@@ -43,11 +44,15 @@ reproduces transformers' cached greedy generation step by step:
   for short prompts too.)
 - dynamic: positions below `max_position_embeddings` use the unscaled frequencies (transformers'
   init values); a position p at or above it uses the base transformers computes for
-  `seq_len = p + 1`. ringserve caps `max_model_len` at `max_position_embeddings`, so every
-  sequence it serves equals transformers; past that (a longer table) the same one-token-per-step
-  argument holds for generated tokens, and a prompt longer than `max_position_embeddings` differs
-  as for longrope. (vLLM uses one base scaled for `max_position_embeddings * factor` at every
-  position, which differs from transformers at every length.)
+  `seq_len = p + 1`. ringserve's max_model_len for a dynamic config is `max_position_embeddings`
+  times the factor (as vLLM's), so the table reaches past that threshold. As for longrope, a
+  generation whose prompt fits in `max_position_embeddings` equals transformers at every step,
+  also past it; a longer prompt differs (transformers rotates all of it, from position 0, with
+  the base for its whole length). (vLLM uses one base, scaled for `max_position_embeddings *
+  factor`, at every position, which differs from transformers at every length.)
+
+Equal means bit for bit in float32 (tests/gpu/test_rope_variants.py checks the frequencies, the
+table, and the table against transformers' cached one-token steps past the threshold).
 """
 
 from __future__ import annotations
@@ -220,24 +225,20 @@ def _dynamic_inv_freq(params: dict[str, Any], dim: int, seq_len: int) -> torch.T
 
 
 def _dynamic_inv_freq_by_length(
-    params: dict[str, Any], dim: int, seq_lens: list[int]
+    params: dict[str, Any], dim: int, seq_lens: torch.Tensor
 ) -> torch.Tensor:
-    """[N, dim/2] frequencies, row i for sequence length `seq_lens[i]`.
+    """[N, dim/2] frequencies, row i for sequence length `seq_lens[i]` (int64).
 
     float32 tensor arithmetic, as transformers' forward-time update does (its seq_len is a
-    0-dim tensor there). The base is computed one length at a time because torch's vectorized
-    float32 pow rounds differently from the 0-dim one; only tables longer than
-    max_position_embeddings reach this, and ringserve never builds one (max_model_len is capped).
+    0-dim tensor there), except the one pow: torch's vectorized float32 pow rounds differently
+    from its 0-dim one, which computes in double and rounds once; `math.pow` does the same.
     """
     factor, max_positions = float(params["factor"]), int(params["max_position_embeddings"])
-    floor = torch.tensor(max_positions)
-    bases = [
-        float(params["rope_theta"])
-        * ((factor * torch.maximum(torch.tensor(n), floor) / max_positions) - (factor - 1))
-        ** (dim / (dim - 2))
-        for n in seq_lens
-    ]
-    return 1.0 / (torch.stack(bases)[:, None] ** _exponents(dim)[None, :])
+    ratio = (factor * torch.clamp(seq_lens, min=max_positions) / max_positions) - (factor - 1)
+    exponent = dim / (dim - 2)
+    stretch = torch.tensor([math.pow(r, exponent) for r in ratio.tolist()], dtype=torch.float32)
+    base = float(params["rope_theta"]) * stretch
+    return 1.0 / (base[:, None] ** _exponents(dim)[None, :])
 
 
 def _llama3_scaling(inv_freq: torch.Tensor, params: dict[str, Any]) -> torch.Tensor:
@@ -331,7 +332,7 @@ def cos_sin_table(params: dict[str, Any], head_dim: int, max_position: int) -> t
     elif rope_type == "dynamic":
         start = int(params["max_position_embeddings"])
         if max_position > start:
-            lengths = list(range(start + 1, max_position + 1))
+            lengths = torch.arange(start, max_position, dtype=torch.int64) + 1
             by_length = _dynamic_inv_freq_by_length(params, rotary_dim(params, head_dim), lengths)
             freqs[start:] = positions[start:, None] * by_length
     emb = torch.cat((freqs, freqs), dim=-1)
