@@ -44,19 +44,24 @@ SAMPLING_KEYS: dict[str, str] = {
 _CONTROL = 3  # gguf.TokenType.CONTROL
 
 
-def field(reader: Any, key: str) -> Any:
-    """The value of metadata `key` (a scalar, a string or a list), or None when absent."""
-    entry = reader.fields.get(key)
-    return None if entry is None else entry.contents()
+def _f32(value: Any) -> float:
+    """A float32 metadata value as the shortest decimal that reads back as it (1e-06, not
+    9.99999997e-07), as the config.json it was converted from most likely wrote it."""
+    return float(str(np.float32(value)))
 
 
-def architecture(path: Path, reader: Any) -> str:
+def field(meta: dict[str, Any], key: str) -> Any:
+    """The value of metadata `key` (a scalar, a string, a list or an array), or None."""
+    return meta.get(key)
+
+
+def architecture(path: Path, meta: dict[str, Any]) -> str:
     """The file's `general.architecture`, checked against the supported ones.
 
     Raises:
         ModelDirectoryError: the architecture is missing or not supported.
     """
-    arch = field(reader, "general.architecture")
+    arch = field(meta, "general.architecture")
     if arch not in ARCHITECTURES:
         raise ModelDirectoryError(
             f"GGUF file {path}: architecture {arch!r} is not supported; supported: "
@@ -65,23 +70,23 @@ def architecture(path: Path, reader: Any) -> str:
     return str(arch)
 
 
-def hf_config(path: Path, reader: Any, tensor_names: set[str], vocab_rows: int) -> dict[str, Any]:
+def hf_config(path: Path, meta: dict[str, Any], tensor_names: set[str], vocab_rows: int) -> dict[str, Any]:
     """The config.json equivalent of the file's metadata.
 
     Args:
         path: the file, for messages.
-        reader: its open `gguf.GGUFReader`.
+        meta: its metadata (`gguf_header.GGUFHeader.metadata`).
         tensor_names: the names of its tensors (tied embeddings, biases).
         vocab_rows: the rows of `token_embd.weight` (the vocabulary the model has).
 
     Raises:
         ModelDirectoryError: a required key is missing or has an unusable value.
     """
-    arch = architecture(path, reader)
+    arch = architecture(path, meta)
     cls, model_type = ARCHITECTURES[arch]
 
     def required(key: str) -> int:
-        value = field(reader, f"{arch}.{key}")
+        value = field(meta, f"{arch}.{key}")
         if not isinstance(value, int):
             raise ModelDirectoryError(
                 f"GGUF file {path}: metadata {arch}.{key} is {value!r}, expected an integer"
@@ -90,14 +95,14 @@ def hf_config(path: Path, reader: Any, tensor_names: set[str], vocab_rows: int) 
 
     heads = required("attention.head_count")
     hidden = required("embedding_length")
-    head_dim = field(reader, f"{arch}.attention.key_length") or hidden // heads
-    rope_dims = field(reader, f"{arch}.rope.dimension_count")
+    head_dim = field(meta, f"{arch}.attention.key_length") or hidden // heads
+    rope_dims = field(meta, f"{arch}.rope.dimension_count")
     if rope_dims is not None and rope_dims != head_dim:
         raise ModelDirectoryError(
             f"GGUF file {path}: partial rotary embeddings ({arch}.rope.dimension_count "
             f"{rope_dims} of head dim {head_dim}) are not supported"
         )
-    theta = float(field(reader, f"{arch}.rope.freq_base") or 10000.0)
+    theta = _f32(field(meta, f"{arch}.rope.freq_base") or 10000.0)
     config: dict[str, Any] = {
         "architectures": [cls],
         "model_type": model_type,
@@ -106,9 +111,9 @@ def hf_config(path: Path, reader: Any, tensor_names: set[str], vocab_rows: int) 
         "intermediate_size": required("feed_forward_length"),
         "num_hidden_layers": required("block_count"),
         "num_attention_heads": heads,
-        "num_key_value_heads": field(reader, f"{arch}.attention.head_count_kv") or heads,
+        "num_key_value_heads": field(meta, f"{arch}.attention.head_count_kv") or heads,
         "head_dim": int(head_dim),
-        "rms_norm_eps": float(field(reader, f"{arch}.attention.layer_norm_rms_epsilon") or 1e-6),
+        "rms_norm_eps": _f32(field(meta, f"{arch}.attention.layer_norm_rms_epsilon") or 1e-6),
         "rope_theta": theta,
         "max_position_embeddings": required("context_length"),
         "tie_word_embeddings": "output.weight" not in tensor_names,
@@ -121,36 +126,36 @@ def hf_config(path: Path, reader: Any, tensor_names: set[str], vocab_rows: int) 
             f"GGUF file {path}: per-layer {arch}.attention.head_count_kv is not supported"
         )
     for name, key in (("bos", "bos_token_id"), ("eos", "eos_token_id"), ("padding", "pad_token_id")):
-        value = field(reader, f"tokenizer.ggml.{name}_token_id")
+        value = field(meta, f"tokenizer.ggml.{name}_token_id")
         if value is not None:
             config[key] = int(value)
-    scaling = rope_scaling(path, reader, arch)
+    scaling = rope_scaling(path, meta, arch)
     if scaling is not None:
         config["rope_scaling"] = scaling
     return config
 
 
-def rope_scaling(path: Path, reader: Any, arch: str) -> dict[str, Any] | None:
+def rope_scaling(path: Path, meta: dict[str, Any], arch: str) -> dict[str, Any] | None:
     """transformers' `rope_scaling` for the file's `rope.scaling.*` keys (linear, yarn).
 
     Raises:
         ModelDirectoryError: a scaling type ringserve has no mapping for.
     """
-    kind = field(reader, f"{arch}.rope.scaling.type")
+    kind = field(meta, f"{arch}.rope.scaling.type")
     if kind in (None, "none"):
         return None
-    factor = field(reader, f"{arch}.rope.scaling.factor")
+    factor = field(meta, f"{arch}.rope.scaling.factor")
     if kind == "linear" and factor is not None:
-        return {"rope_type": "linear", "factor": float(factor)}
+        return {"rope_type": "linear", "factor": _f32(factor)}
     if kind == "yarn" and factor is not None:
-        scaling: dict[str, Any] = {"rope_type": "yarn", "factor": float(factor)}
-        original = field(reader, f"{arch}.rope.scaling.original_context_length")
+        scaling: dict[str, Any] = {"rope_type": "yarn", "factor": _f32(factor)}
+        original = field(meta, f"{arch}.rope.scaling.original_context_length")
         if original is not None:
             scaling["original_max_position_embeddings"] = int(original)
         for suffix, key in (("yarn_beta_fast", "beta_fast"), ("yarn_beta_slow", "beta_slow")):
-            value = field(reader, f"{arch}.rope.scaling.{suffix}")
+            value = field(meta, f"{arch}.rope.scaling.{suffix}")
             if value is not None:
-                scaling[key] = float(value)
+                scaling[key] = _f32(value)
         return scaling
     raise ModelDirectoryError(
         f"GGUF file {path}: rope scaling {kind!r} (factor {factor!r}) is not supported; "
@@ -199,8 +204,8 @@ def llama3_rope(
     low = -intercept * original / slope
     high = low + original / slope
     params = {
-        "rope_type": "llama3", "factor": factor, "low_freq_factor": float(low),
-        "high_freq_factor": float(high), "original_max_position_embeddings": int(original),
+        "rope_type": "llama3", "factor": _f32(factor), "low_freq_factor": _f32(low),
+        "high_freq_factor": _f32(high), "original_max_position_embeddings": int(original),
     }
     _check_llama3(path, r, inv_freq, params)
     return params
@@ -222,40 +227,39 @@ def _check_llama3(path: Path, r: np.ndarray, inv_freq: np.ndarray, params: dict[
         )
 
 
-def generation_ids(reader: Any) -> dict[str, Any]:
+def generation_ids(meta: dict[str, Any]) -> dict[str, Any]:
     """generation_config.json contents: bos, pad, the end-of-generation ids and sampling
     defaults (`general.sampling.*`)."""
     out: dict[str, Any] = {}
-    bos = field(reader, "tokenizer.ggml.bos_token_id")
+    bos = field(meta, "tokenizer.ggml.bos_token_id")
     if bos is not None:
         out["bos_token_id"] = int(bos)
     eos: list[int] = []
     for name in ("eos", "eot", "eom"):
-        value = field(reader, f"tokenizer.ggml.{name}_token_id")
+        value = field(meta, f"tokenizer.ggml.{name}_token_id")
         if value is not None and int(value) not in eos:
             eos.append(int(value))
-    for index in _end_of_turn_ids(reader):
+    for index in _end_of_turn_ids(meta):
         if index not in eos:
             eos.append(index)
     if eos:
         out["eos_token_id"] = eos
-    pad = field(reader, "tokenizer.ggml.padding_token_id")
+    pad = field(meta, "tokenizer.ggml.padding_token_id")
     if pad is not None:
         out["pad_token_id"] = int(pad)
     for suffix, key in SAMPLING_KEYS.items():
-        value = field(reader, f"general.sampling.{suffix}")
+        value = field(meta, f"general.sampling.{suffix}")
         if value is not None:
             out[key] = value
     return out
 
 
-def _end_of_turn_ids(reader: Any) -> list[int]:
-    types = reader.fields.get("tokenizer.ggml.token_type")
-    tokens = reader.fields.get("tokenizer.ggml.tokens")
+def _end_of_turn_ids(meta: dict[str, Any]) -> list[int]:
+    types = meta.get("tokenizer.ggml.token_type")
+    tokens = meta.get("tokenizer.ggml.tokens")
     if types is None or tokens is None:
         return []
-    kinds = np.asarray(types.contents())
     return [
-        int(index) for index in np.flatnonzero(kinds == _CONTROL)
-        if tokens.contents(int(index)) in END_OF_TURN_TEXTS
+        int(index) for index in np.flatnonzero(np.asarray(types) == _CONTROL)
+        if index < len(tokens) and tokens[index] in END_OF_TURN_TEXTS
     ]

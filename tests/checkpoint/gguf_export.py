@@ -37,15 +37,21 @@ def export_gguf(
     *,
     qtype: gguf.GGMLQuantizationType = gguf.GGMLQuantizationType.F32,
     name: str = "tiny",
+    drop: frozenset[str] = frozenset(),
+    replace: dict[str, np.ndarray] | None = None,
 ) -> Path:
-    """Write `model_dir` as the GGUF file `out` with 2-D weights stored as `qtype`."""
+    """Write `model_dir` as the GGUF file `out` with 2-D weights stored as `qtype`.
+
+    `drop` leaves out tensors and `replace` writes arrays as they are in place of tensors (both
+    by GGUF name), to make broken files.
+    """
     config = json.loads((model_dir / "config.json").read_text())
     arch = _ARCHS[config["model_type"]]
     writer = gguf.GGUFWriter(str(out), arch)
     writer.add_name(name)
     _add_hparams(writer, config)
     _add_tokenizer(writer, model_dir, int(config["vocab_size"]))
-    _add_tensors(writer, model_dir, config, arch, qtype)
+    _add_tensors(writer, model_dir, config, arch, qtype, drop, replace or {})
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -140,6 +146,8 @@ def _add_tensors(
     config: dict[str, Any],
     arch: str,
     qtype: gguf.GGMLQuantizationType,
+    drop: frozenset[str],
+    replace: dict[str, np.ndarray],
 ) -> None:
     names = gguf.get_tensor_name_map(_MODEL_ARCH[arch], int(config["num_hidden_layers"]))
     with safe_open(str(model_dir / "model.safetensors"), framework="pt") as f:
@@ -147,6 +155,11 @@ def _add_tensors(
             tensor = f.get_tensor(hf_name).to(torch.float32)
             gguf_name = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
             assert gguf_name is not None, hf_name
+            if gguf_name in drop:
+                continue
+            if gguf_name in replace:
+                writer.add_tensor(gguf_name, replace[gguf_name])
+                continue
             if arch == "llama" and ".q_proj." in hf_name:
                 tensor = llama_permute(tensor, int(config["num_attention_heads"]))
             elif arch == "llama" and ".k_proj." in hf_name:
@@ -154,7 +167,7 @@ def _add_tensors(
             _add_array(writer, gguf_name, tensor.numpy(), qtype)
     rope = _rope(config)
     if rope.get("rope_type") == "llama3":
-        writer.add_tensor("rope_freqs.weight", _llama3_rope_factors(config, rope))
+        writer.add_tensor("rope_freqs.weight", llama3_rope_factors(config, rope))
 
 
 def _add_array(
@@ -167,7 +180,7 @@ def _add_array(
     writer.add_tensor(name, packed, raw_shape=packed.shape, raw_dtype=qtype)
 
 
-def _llama3_rope_factors(config: dict[str, Any], rope: dict[str, Any]) -> np.ndarray:
+def llama3_rope_factors(config: dict[str, Any], rope: dict[str, Any]) -> np.ndarray:
     """The divisors of each rope frequency, by the formula of convert_hf_to_gguf.py."""
     dim = _head_dim(config)
     base = float(rope["rope_theta"])

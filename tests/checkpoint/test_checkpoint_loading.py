@@ -13,7 +13,6 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from ringserve.config import ModelConfig
-from ringserve.engine.arg_utils import EngineArgs
 from ringserve.errors import ModelDirectoryError
 from ringserve.gpu.attention.backend import TorchAttentionBackend
 from ringserve.gpu.loader import load_model
@@ -104,7 +103,7 @@ def test_pickled_checkpoint_is_refused_with_the_conversion(tiny_llama_dir: Path,
     copy = _copy(tiny_llama_dir, tmp_path / "m")
     (copy / "model.safetensors").unlink()
     (copy / "pytorch_model.bin").write_bytes(b"not loaded")
-    with pytest.raises(ModelDirectoryError, match="pytorch_model.bin.*pickle.*save_pretrained"):
+    with pytest.raises(ModelDirectoryError, match=r"pytorch_model\.bin.*pickle.*save_pretrained"):
         ModelConfig.from_model_dir(str(copy))
 
 
@@ -113,7 +112,7 @@ def test_integer_tensor_is_refused_before_loading(tiny_llama_dir: Path, tmp_path
     weights = load_file(str(copy / "model.safetensors"))
     weights["model.norm.weight"] = weights["model.norm.weight"].to(torch.int32)
     save_file(weights, str(copy / "model.safetensors"))
-    with pytest.raises(ModelDirectoryError, match="'model.norm.weight' has dtype I32"):
+    with pytest.raises(ModelDirectoryError, match=r"'model\.norm\.weight' has dtype I32"):
         ModelConfig.from_model_dir(str(copy))
 
 
@@ -133,7 +132,7 @@ def test_wrong_shape_names_file_and_tensor(tiny_llama_dir: Path, tmp_path: Path)
 def test_dummy_weights_need_no_weight_files(tiny_llama_dir: Path, tmp_path: Path) -> None:
     copy = _copy(tiny_llama_dir, tmp_path / "m")
     (copy / "model.safetensors").unlink()
-    with pytest.raises(ModelDirectoryError, match="no \\*.safetensors"):
+    with pytest.raises(ModelDirectoryError, match=r"no \*\.safetensors"):
         ModelConfig.from_model_dir(str(copy))
     config = ModelConfig.from_model_dir(str(copy), load_format="dummy")
     assert config.load_format == "dummy"
@@ -191,9 +190,9 @@ def test_generation_config_defaults(tiny_llama_dir: Path, tmp_path: Path) -> Non
     (other / "generation_config.json").write_text(json.dumps({"repetition_penalty": 1.1}))
     assert ModelConfig.from_model_dir(str(copy), generation_config=str(other)
                                       ).generation_defaults == {"repetition_penalty": 1.1}
-    with pytest.raises(ValueError, match="unknown keys \\['beam'\\]"):
+    with pytest.raises(ValueError, match=r"unknown keys \['beam'\]"):
         ModelConfig.from_model_dir(str(copy), override_generation_config='{"beam": 2}')
-    with pytest.raises(ModelDirectoryError, match="no generation_config.json"):
+    with pytest.raises(ModelDirectoryError, match=r"no generation_config\.json"):
         ModelConfig.from_model_dir(str(copy), generation_config=str(tmp_path))
 
 
