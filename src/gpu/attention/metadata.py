@@ -5,7 +5,8 @@ single decode tokens mixed). Request `i` owns query rows `query_start_loc[i]:que
 its keys are the first `seq_lens[i]` tokens of its sequence, read from the paged KV cache
 through row `i` of `block_table`. Its new tokens are the last ones of that sequence, so query row
 `j` of request `i` sits at position `seq_lens[i] - query_len_i + j` and attends causally to keys
-`0..` that position.
+`0..` that position (with a sliding window, to the last `sliding_window` of them: every backend
+masks each row of a prefill chunk by this position).
 """
 
 from __future__ import annotations

@@ -265,10 +265,11 @@ def _decode_group(
     group_lens = lens[index]
     keys = group_lens if sliding_window is None else np.minimum(group_lens, sliding_window)
     length = int(keys.max())
-    # Column c of row g is key position c of its window, which ends at the sequence's end.
-    positions = np.arange(length) + (group_lens - keys)[:, None]  # [G, length]
-    valid = np.arange(length) < keys[:, None]
-    positions[~valid] = 0  # past a shorter window: never index the table out of range
+    positions = np.arange(length)
+    valid = positions < keys[:, None]  # [G, length]
+    if sliding_window is not None:
+        # A window ends at its sequence's end; columns past a shorter one read position 0.
+        positions = np.where(valid, positions + (group_lens - keys)[:, None], 0)
     slots = table[index[:, None], positions // block_size].astype(np.int64) * block_size
     slots += positions % block_size
     # Padding reads slot 0: block table entries past a request's end may be stale.
