@@ -69,6 +69,30 @@ def tiny_qwen3_dir() -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_gemma2_dir() -> Path:
+    """A 2-layer Gemma 2 (sliding window 8, attention and final soft-caps)."""
+    from ringserve.gpu.testing import tiny_model
+
+    return tiny_model("gemma2")
+
+
+@pytest.fixture(scope="session")
+def tiny_gemma3_dir() -> Path:
+    """A 2-layer Gemma 3 text model (q/k norms, local rope table, sliding window 8)."""
+    from ringserve.gpu.testing import tiny_model
+
+    return tiny_model("gemma3")
+
+
+@pytest.fixture(scope="session")
+def tiny_phi3_dir() -> Path:
+    """A 2-layer Phi-3 (fused qkv / gate_up checkpoint tensors, sliding window 8)."""
+    from ringserve.gpu.testing import tiny_model
+
+    return tiny_model("phi3")
+
+
+@pytest.fixture(scope="session")
 def demo_model_dir() -> Path:
     """The demo model (Llama, hidden 256, 4 layers, vocab 8000)."""
     from ringserve.gpu.testing import demo_model_path

@@ -103,6 +103,13 @@ PRESETS: dict[str, TinyModelSpec] = {
         '{"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}, '
         '"full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1000000.0}}}')),
     "phi3": TinyModelSpec(arch="phi3", extra_config='{"sliding_window": 8}'),
+    # Phi-4-mini's shape: tied embeddings, 3/4 of each head rotated, longrope past position 64.
+    "phi4mini": TinyModelSpec(
+        arch="phi3", tie_word_embeddings=True, max_position_embeddings=256, extra_config=(
+            '{"sliding_window": 8, "original_max_position_embeddings": 64, "rope_parameters": '
+            '{"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.75, '
+            '"short_factor": [1.0, 1.1, 1.3, 1.6, 2.0, 2.5], '
+            '"long_factor": [1.0, 1.5, 2.5, 4.0, 6.0, 9.0]}}')),
 }
 
 # Families whose RMSNorm weights transformers initialises to a constant that the norm's own
@@ -116,7 +123,7 @@ def tiny_model(preset: str = "llama", **overrides: Any) -> Path:
 
     Args:
         preset: a key of PRESETS ("demo", "llama", "mistral", "qwen2", "qwen3", "gemma2",
-            "gemma3", "phi3").
+            "gemma3", "phi3", "phi4mini").
         **overrides: TinyModelSpec fields to change (e.g. seed=1, num_hidden_layers=3).
 
     Raises:

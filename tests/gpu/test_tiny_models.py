@@ -41,6 +41,9 @@ def test_chat_template_and_special_tokens(tiny_llama_dir: Path) -> None:
     ("tiny_qwen2_dir", "Qwen2ForCausalLM", "self_attn.q_proj.bias"),
     ("tiny_qwen3_dir", "Qwen3ForCausalLM", "self_attn.q_norm.weight"),
     ("tiny_mistral_dir", "MistralForCausalLM", "self_attn.q_proj.weight"),
+    ("tiny_gemma2_dir", "Gemma2ForCausalLM", "pre_feedforward_layernorm.weight"),
+    ("tiny_gemma3_dir", "Gemma3ForCausalLM", "self_attn.k_norm.weight"),
+    ("tiny_phi3_dir", "Phi3ForCausalLM", "self_attn.qkv_proj.weight"),
 ])
 def test_families_have_their_features(
     request: pytest.FixtureRequest, fixture: str, arch: str, marker: str

@@ -57,8 +57,8 @@ class GemmaSpec(DecoderSpec):
         attn_logit_softcap: the attention-score soft-cap (Gemma 2), or None.
         final_logit_softcap: the output-logit soft-cap, or None.
         hidden_activation: the MLP gate's activation (a key of ACTIVATIONS).
-        rope_local: rope settings of the sliding layers when they differ from `rope`
-            (Gemma 3); None: every layer uses `rope`.
+        rope_local: rope settings of the sliding layers (Gemma 3: their own base, never the
+            global layers' scaling); None: every layer uses `rope`.
     """
 
     layer_types: tuple[str, ...]
