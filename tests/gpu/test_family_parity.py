@@ -170,3 +170,25 @@ def test_phi3_fused_tensor_of_the_wrong_size_is_refused() -> None:
     bad = [("model.layers.0.self_attn.qkv_proj.weight", torch.zeros(10, config.hidden_size))]
     with pytest.raises(ValueError, match=r"qkv_proj.weight.*10 rows, expected 128 \(64 \+ 32 \+ 32\)"):
         model.load_weights(bad)
+
+
+@pytest.mark.slow
+def test_mistral_sliding_window_parity(tiny_mistral_dir: Path, tmp_path: Path) -> None:
+    """Mistral v0.1-style: the config's window (8 here, crossed by the prompts) on every
+    layer; the weights do not depend on it, so the tiny Mistral's config is edited."""
+    import shutil
+
+    from transformers import AutoModelForCausalLM
+
+    torch.set_num_threads(2)
+    model_dir = tmp_path / "mistral-window"
+    shutil.copytree(tiny_mistral_dir, model_dir)
+    config = json.loads((model_dir / "config.json").read_text())
+    config["sliding_window"] = 8
+    (model_dir / "config.json").write_text(json.dumps(config))
+    hf = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    sched = _run(model_dir, "cpu" if cpu_native.load_kernel() is not None else "torch")
+    for req_id, prompt in zip(REQ_IDS, _prompts(), strict=True):
+        out = hf.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=NEW_TOKENS,
+                          min_new_tokens=NEW_TOKENS)
+        assert sched.done[req_id].output == out[0, len(prompt):].tolist(), req_id

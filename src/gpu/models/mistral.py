@@ -1,7 +1,7 @@
-"""Mistral: the Llama decoder; a sliding window shorter than the context is refused.
+"""Mistral: the Llama decoder, with the config's sliding window on every layer.
 
 Registered in `ringserve.gpu.models.registry`. Mistral checkpoints from v0.2 on have no sliding
-window; v0.1's 4096-token window is only exact here while `max_model_len` stays within it.
+window; v0.1's 4096-token window is applied by the attention backends (every block is kept).
 """
 
 from __future__ import annotations
@@ -14,21 +14,14 @@ from ringserve.gpu.parallel import TPGroup
 
 
 class MistralForCausalLM(LlamaForCausalLM):
-    """Mistral (full attention)."""
+    """Mistral (a sliding window when the config has one)."""
 
     @classmethod
     def from_config(
         cls, config: ModelConfig, tp: TPGroup, backend: AttentionBackend
     ) -> LlamaForCausalLM:
-        """Build the (unloaded) model for `config`.
-
-        Raises:
-            ValueError: the model uses a sliding window shorter than `max_model_len`.
-        """
+        """Build the (unloaded) model for `config`."""
         window = config.hf_config.get("sliding_window")
-        if isinstance(window, int) and window < config.max_model_len:
-            raise ValueError(
-                f"sliding_window {window} < max_model_len {config.max_model_len}: sliding-window "
-                f"attention is not supported; pass max_model_len <= {window}"
-            )
-        return cls(DecoderSpec.from_model_config(config), tp, backend)
+        return cls(DecoderSpec.from_model_config(
+            config, sliding_window=window if isinstance(window, int) and window > 0 else None
+        ), tp, backend)

@@ -13,6 +13,17 @@ from ringserve.gpu.models.spec import DecoderSpec
 from ringserve.gpu.parallel import TPGroup
 
 
+def _refuse_layer_windows(config: ModelConfig) -> None:
+    """Qwen2/3 configs with `use_sliding_window` window only the layers from
+    `max_window_layers` on; that per-layer mix is not built here, so it is refused rather
+    than run with full attention."""
+    types = config.hf_config.get("layer_types") or []
+    if config.hf_config.get("use_sliding_window") and "sliding_attention" in types:
+        raise ValueError(f"{config.architecture}: use_sliding_window (sliding attention on "
+                         "layers past max_window_layers) is not supported; released Qwen2/3 "
+                         "checkpoints set it false")
+
+
 class Qwen2ForCausalLM(LlamaForCausalLM):
     """Qwen2: q/k/v projections always carry a bias."""
 
@@ -21,6 +32,7 @@ class Qwen2ForCausalLM(LlamaForCausalLM):
         cls, config: ModelConfig, tp: TPGroup, backend: AttentionBackend
     ) -> LlamaForCausalLM:
         """Build the (unloaded) model for `config`."""
+        _refuse_layer_windows(config)
         return cls(DecoderSpec.from_model_config(config, qkv_bias=True), tp, backend)
 
 
@@ -32,4 +44,5 @@ class Qwen3ForCausalLM(LlamaForCausalLM):
         cls, config: ModelConfig, tp: TPGroup, backend: AttentionBackend
     ) -> LlamaForCausalLM:
         """Build the (unloaded) model for `config`."""
+        _refuse_layer_windows(config)
         return cls(DecoderSpec.from_model_config(config, qk_norm=True), tp, backend)
