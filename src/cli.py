@@ -60,8 +60,10 @@ def _serve(ns: argparse.Namespace) -> int:
     engine_args = EngineArgs.from_cli_args(ns)
     engine_args.verify()  # flag mistakes before any model is read
     check_serve_args(ns)
-    server.configure_logging()
-    for line in no_effect_lines(ns):
+    notes = no_effect_lines(ns)
+    if notes:
+        server.configure_logging()  # else serve() does, once the model is read
+    for line in notes:
         logger.info(line)
     apply_server_log_level(ns.uvicorn_log_level)
     engine_config = engine_args.create_engine_config()
@@ -207,6 +209,22 @@ def _apply_config_file(serve: argparse.ArgumentParser, path: str) -> None:
     serve.set_defaults(**given)
 
 
+def exit_status(exc: BaseException) -> int:
+    """1 for a model directory or file problem, 2 for any other user mistake.
+
+    A `ModelDirectoryError` raised in an engine core (the weights loader runs there) reaches
+    the frontend as an `EngineStartupError` whose message holds the core's error in the
+    wire form `Type: message` (`ringserve.engine.sentinel.describe`).
+    """
+    from ringserve.engine.errors import EngineStartupError
+
+    if isinstance(exc, ModelDirectoryError):
+        return 1
+    if isinstance(exc, EngineStartupError) and f"{ModelDirectoryError.__name__}: " in str(exc):
+        return 1
+    return 2
+
+
 def parse_command_line(argv: Sequence[str]) -> argparse.Namespace:
     """Parse a command line as `main` does, without running it.
 
@@ -239,12 +257,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     handler: Handler = ns.handler
     try:
         return handler(ns)
-    except ModelDirectoryError as exc:  # the model, not the flags: the message names the file
-        print(f"ringserve: error: {exc}", file=sys.stderr)
-        return 1
     except (ValueError, RingserveError, OSError) as exc:
         print(f"ringserve: error: {exc}", file=sys.stderr)
-        return 2
+        return exit_status(exc)
     except KeyboardInterrupt:
         return 130
 

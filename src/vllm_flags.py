@@ -185,7 +185,7 @@ def no_effect_lines(ns: argparse.Namespace) -> list[str]:
     lines = []
     for entry in NO_EFFECT:
         dest = _NO_EFFECT_DEST + entry.flags[0].lstrip("-").replace("-", "_")
-        if hasattr(ns, dest):
+        if getattr(ns, dest, False) not in (False, None):  # given, and not as --no-...
             lines.append(f"ringserve: {entry.flags[0]} has no effect here ({entry.reason})")
     return lines
 

@@ -182,8 +182,8 @@ def server(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory,
 # -- start-up mistakes -----------------------------------------------------------------------
 
 
-def _one_error_line(proc: subprocess.CompletedProcess[str]) -> str:
-    assert proc.returncode == 2, proc.stderr
+def _one_error_line(proc: subprocess.CompletedProcess[str], status: int = 2) -> str:
+    assert proc.returncode == status, proc.stderr
     assert "Traceback" not in proc.stderr
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1, proc.stderr
@@ -202,7 +202,7 @@ def test_port_in_use_is_one_line(tiny_llama_dir: Path) -> None:
 
 
 def test_missing_model_dir_is_one_line(tmp_path: Path) -> None:
-    line = _one_error_line(_run_serve(str(tmp_path / "nope"), *SMALL_FLAGS))
+    line = _one_error_line(_run_serve(str(tmp_path / "nope"), *SMALL_FLAGS), status=1)
     assert str(tmp_path / "nope") in line and "does not exist" in line
 
 
