@@ -1,7 +1,8 @@
 """The chaos suite (issue 9): faults injected into a live `ringserve serve` (TP=2, mp
 workers, fault tolerance on, an admin key, `--execute-model-timeout-s`), one after another:
 
-1. `RINGSERVE_CHAOS_ROUNDS` (default 20) rounds of: 16 streaming requests in flight, SIGKILL a
+1. `RINGSERVE_CHAOS_ROUNDS` (default 10 in the suite, to keep `scripts/test` inside its
+   budget; the published figure uses 20) rounds of: 16 streaming requests in flight, SIGKILL a
    random worker; every stream ends with an error event and `[DONE]` within 2 s;
    `POST /fault_tolerance/apply {"instruction": "retry"}`; healthy within 30 s; 16 greedy
    requests equal the fault-free run's; both old workers are gone and left no segment.
@@ -39,7 +40,7 @@ from test_http_server_deaths import _alive, _segments, _tree, _wait_for
 
 pytestmark = pytest.mark.slow
 
-ROUNDS = int(os.environ.get("RINGSERVE_CHAOS_ROUNDS", "20"))
+ROUNDS = int(os.environ.get("RINGSERVE_CHAOS_ROUNDS", "10"))
 STREAMS = 16
 SLACK = 2.0
 EXECUTE_TIMEOUT_S = 3.0
