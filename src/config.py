@@ -27,6 +27,7 @@ SUPPORTED_ARCHITECTURES: tuple[str, ...] = (
     "Qwen3ForCausalLM",
     "Gemma2ForCausalLM",
     "Gemma3ForCausalLM",
+    "Gemma3ForConditionalGeneration",  # served as text only
     "Phi3ForCausalLM",
 )
 
@@ -250,7 +251,9 @@ def _load_hf_config(path: Path) -> dict[str, Any]:
     data: dict[str, Any] = hf.to_dict()
     text_config = data.get("text_config")
     if isinstance(text_config, dict):
-        data = {**data, **text_config}
+        # A multimodal checkpoint served as text: the language model's settings, under the
+        # checkpoint's own architecture (its text_config may name the text-only class).
+        data = {**data, **text_config, "architectures": data.get("architectures")}
     for key in ("hidden_size", "num_attention_heads", "num_hidden_layers", "vocab_size"):
         if not isinstance(data.get(key), int):
             raise ModelDirectoryError(f"model directory {path}: config.json has no integer {key!r}")

@@ -19,7 +19,7 @@ they are the capped ones, as transformers returns them.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -272,3 +272,34 @@ class Gemma3ForCausalLM(_GemmaForCausalLM):
     """Gemma 3 text: per-head q/k norms, a local rope table for the sliding layers."""
 
     family: GemmaFamily = "gemma3"
+
+
+# Checkpoint prefixes of Gemma 3's multimodal checkpoints: transformers 5 saves
+# `model.language_model.*`, earlier versions (and the published google/gemma-3-*-it files)
+# `language_model.model.*` and `language_model.lm_head.*`.
+_TEXT_PREFIXES = (("model.language_model.", "model."), ("language_model.model.", "model."),
+                  ("language_model.lm_head.", "lm_head."))
+_VISION_PREFIXES = ("model.vision_tower.", "vision_tower.", "model.multi_modal_projector.",
+                    "multi_modal_projector.")
+
+
+class Gemma3ForConditionalGeneration(Gemma3ForCausalLM):
+    """A multimodal Gemma 3 checkpoint (4B and larger) served as text only: its language model
+    under Gemma 3 text's names; the vision tower and projector tensors are skipped (images are
+    not supported, so nothing reads them). Its config's `text_config` is read as the model's
+    config (`ringserve.config` merges it over the top level)."""
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """`Gemma3ForCausalLM.load_weights` on the language model's tensors, renamed."""
+
+        def text_only() -> Iterator[tuple[str, torch.Tensor]]:
+            for name, tensor in weights:
+                if name.startswith(_VISION_PREFIXES):
+                    continue
+                for old, new in _TEXT_PREFIXES:
+                    if name.startswith(old):
+                        name = new + name[len(old):]
+                        break
+                yield name, tensor
+
+        super().load_weights(text_only())

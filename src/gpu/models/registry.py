@@ -7,7 +7,11 @@ architecture; an unknown one fails with the list of supported architectures.
 from __future__ import annotations
 
 from ringserve.config import SUPPORTED_ARCHITECTURES
-from ringserve.gpu.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM
+from ringserve.gpu.models.gemma import (
+    Gemma2ForCausalLM,
+    Gemma3ForCausalLM,
+    Gemma3ForConditionalGeneration,
+)
 from ringserve.gpu.models.llama import LlamaForCausalLM
 from ringserve.gpu.models.mistral import MistralForCausalLM
 from ringserve.gpu.models.phi3 import Phi3ForCausalLM
@@ -20,6 +24,7 @@ MODEL_CLASSES: dict[str, type[LlamaForCausalLM]] = {
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
     "Gemma2ForCausalLM": Gemma2ForCausalLM,
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
+    "Gemma3ForConditionalGeneration": Gemma3ForConditionalGeneration,
     "Phi3ForCausalLM": Phi3ForCausalLM,
 }
 assert set(MODEL_CLASSES) == set(SUPPORTED_ARCHITECTURES)
