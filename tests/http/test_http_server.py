@@ -206,6 +206,32 @@ def test_missing_model_dir_is_one_line(tmp_path: Path) -> None:
     assert str(tmp_path / "nope") in line and "does not exist" in line
 
 
+@pytest.mark.slow
+def test_tensor_of_the_wrong_shape_is_one_line_and_exit_one(tiny_llama_dir: Path,
+                                                             tmp_path: Path) -> None:
+    """Found only in the worker, while loading: one line, exit 1, nothing left running. (The
+    engine core's teardown used to print the frontend's SIGTERM as "Exception ignored ...
+    _Shutdown" under the line in about half of the runs by hand; the race is too rare under
+    pytest for this test to catch it reliably.)"""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    model = tmp_path / "m"
+    shutil.copytree(tiny_llama_dir, model)
+    weights = load_file(str(model / "model.safetensors"))
+    name = "model.layers.1.mlp.down_proj.weight"
+    weights[name] = weights[name][:, :3].contiguous()
+    save_file(weights, str(model / "model.safetensors"))
+    proc = _run_serve(str(model), "--port", "0", *SMALL_FLAGS)
+    assert proc.returncode == 1, proc.stderr
+    # The server's own start-up log lines (hypercorn listens before the engine is up) are
+    # INFO records; everything else is the one error line.
+    lines = [ln for ln in proc.stderr.strip().splitlines() if " INFO " not in ln]
+    assert len(lines) == 1 and lines[0].startswith("ringserve: error: "), proc.stderr
+    assert f"{model / 'model.safetensors'}: tensor '{name}': shape [64, 3]" in lines[0]
+
+
 @pytest.mark.parametrize(("flags", "expected"), [
     (("--port", "70000"), "--port: got 70000, allowed: 0..65535"),
     (("--shutdown-timeout", "-1"), "--shutdown-timeout: got -1.0"),
