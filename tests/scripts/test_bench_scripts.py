@@ -66,3 +66,32 @@ def test_scheduler_bench_says_where_the_vllm_figures_come_from() -> None:
     else:
         assert "this run" in run.stdout
     assert "command:" in run.stdout and "machine:" in run.stdout
+
+
+@pytest.mark.slow
+def test_profile_decode_breakdown_adds_up_and_unwraps(demo_model_dir: Path) -> None:
+    import argparse
+
+    import torch
+
+    profile = _load("profile_decode")
+    max_len = 64
+    kw = profile.engine_kwargs("demo", demo_model_dir, 2, max_len)
+    kw["model"] = str(demo_model_dir)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny ops: a second OpenMP thread only adds stalls on a busy box
+    try:
+        runner = profile.build_runner(kw, 1 + 2 * (max_len // profile.BLOCK_SIZE))
+        args = argparse.Namespace(prompt_len=8, steps=2, warmup=1, runs=1)
+        result = profile.profile_batch(runner, 2, args, max_len, log=lambda _s: None)
+    finally:
+        torch.set_num_threads(threads)
+    b = result["breakdown"]
+    parts = sum(b[c] for c in profile.CATEGORIES)
+    assert b["step"] > 0 and abs(parts + b["other"] - b["step"]) < 1e-9
+    assert all(b[c] > 0 for c in ("qkv_proj", "attention", "LM head", "sampler", "input prep"))
+    # The wrappers are gone: the runner's, model's and backend's methods are the class's again.
+    assert "execute_model" not in vars(runner) and "attend" not in vars(runner.backend)
+    assert not runner.table.requests  # the batch was finished
+    table = profile.report("demo", [result], None, bandwidth=1e10)
+    assert "| 2 |" in table and "| other |" in table and "not run" in table
