@@ -5,8 +5,9 @@ alone) -> raw logprobs when any row wants them -> allowed ids / banned ids / log
 penalties (`ringserve.gpu.logits_processors`) -> greedy argmax, and, unless the whole batch is
 greedy, temperature, min-p, top-k/top-p and the seeded random draw
 (`ringserve.gpu.sampling_ops`). A greedy batch with no logprobs and no logit edits (the common
-offline case) takes one `max` pass instead: NaN check and argmax together. The model runner
-calls `Sampler.forward` once per step.
+offline case) takes one `max` pass instead: NaN check and argmax together. Raw logprobs are
+computed on the rows that asked for them only. The model runner calls `Sampler.forward` once
+per step.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import torch
 
 from ringserve.gpu.logits_processors import apply_logits_processors
 from ringserve.gpu.logprobs import gather_logprobs
+from ringserve.gpu.request_state import NO_LOGPROBS
 from ringserve.gpu.sampling_metadata import SamplingMetadata
 from ringserve.gpu.sampling_ops import sample
 from ringserve.gpu.wire import Logprobs
@@ -48,16 +50,21 @@ class Sampler:
         plain = meta.max_num_logprobs is None and meta.sparse is None and meta.penalties is None
         if meta.all_greedy and plain:
             return _plain_greedy(logits)
-        nan = torch.isnan(logits).any(dim=-1)
+        # amax propagates NaN: one reduction, no [n, V] mask
+        nan = torch.isnan(logits.amax(dim=-1))
         nan_rows = nan.cpu().numpy()
         if nan_rows.any():
             logits = logits.masked_fill(nan.unsqueeze(1), 0.0)
-        raw = None if meta.max_num_logprobs is None else logits.log_softmax(dim=-1)
+        wanted = np.flatnonzero(meta.num_logprobs != NO_LOGPROBS)
+        raw = None
+        if meta.max_num_logprobs is not None:
+            raw = (logits if wanted.size == len(logits)
+                   else logits[torch.from_numpy(wanted).to(logits.device)]).log_softmax(dim=-1)
         logits = apply_logits_processors(logits, meta)
         token_ids = sample(logits, meta)
         logprobs = None
         if raw is not None and meta.max_num_logprobs is not None:
-            logprobs = gather_logprobs(raw, token_ids, meta.max_num_logprobs)
+            logprobs = _row_logprobs(raw, token_ids, wanted, meta.max_num_logprobs)
         return SamplerOutput(
             token_ids=token_ids.cpu().numpy(), logprobs=logprobs, nan_rows=nan_rows
         )
@@ -74,3 +81,23 @@ def _plain_greedy(logits: torch.Tensor) -> SamplerOutput:
         token_ids=token_ids.cpu().numpy(), logprobs=None,
         nan_rows=torch.isnan(values).cpu().numpy(),
     )
+
+
+def _row_logprobs(
+    raw: torch.Tensor, token_ids: torch.Tensor, wanted: np.ndarray, k: int
+) -> Logprobs:
+    """Logprobs for every row from `raw`, the log-softmax of the `wanted` rows only.
+
+    Rows that did not ask hold their sampled id, logprob 0 and rank 0 (the engine reads a
+    request's rows only when it asked for logprobs).
+    """
+    n = token_ids.shape[0]
+    if wanted.size == n:
+        return gather_logprobs(raw, token_ids, k)
+    asked = gather_logprobs(raw, token_ids[torch.from_numpy(wanted).to(token_ids.device)], k)
+    ids = np.zeros((n, k + 1), np.int32)
+    ids[:, 0] = token_ids.cpu().numpy()
+    values = np.zeros((n, k + 1), np.float32)
+    ranks = np.zeros(n, np.int32)
+    ids[wanted], values[wanted], ranks[wanted] = asked.token_ids, asked.logprobs, asked.ranks
+    return Logprobs(token_ids=ids, logprobs=values, ranks=ranks)
