@@ -42,6 +42,8 @@ _TORCH_DTYPE_NAMES: dict[str, DType] = {
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
 
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
+# Weight-only quantization of the linear layers at load (ringserve.gpu.quant); CPU only.
+QUANTIZATION_METHODS = ("int8", "int4")
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,6 +69,8 @@ class ModelConfig:
         generation_defaults: SamplingParams defaults from the model's generation config
             (`temperature`, `top_p`, `top_k`, `min_p`, `repetition_penalty`, `max_tokens`);
             a request's own values win.
+        quantization: "int8" or "int4" (weight-only, quantized at load; see
+            `ringserve.gpu.quant`), or None for the float weights.
     """
 
     model: str
@@ -89,6 +93,7 @@ class ModelConfig:
     load_format: str = "safetensors"
     weights_path: str = ""
     generation_defaults: dict[str, Any] = field(default_factory=dict)
+    quantization: str | None = None
 
     @property
     def weights(self) -> str:
@@ -112,6 +117,7 @@ class ModelConfig:
         generation_config: str = "auto",
         override_generation_config: str | dict[str, Any] | None = None,
         device: str = "cpu",
+        quantization: str | None = None,
     ) -> ModelConfig:
         """Read and check a model: a local Hugging Face directory, a GGUF file, or a hub id
         (resolved through the local Hugging Face cache, see `ringserve.checkpoint.hub`).
@@ -123,14 +129,17 @@ class ModelConfig:
                 generation_config.json), "vllm" (none), or a directory holding one.
             override_generation_config: a JSON object (or its text) over those defaults.
             device: the resolved device ("cpu" or "cuda"), for what dtype "auto" means.
+            quantization: None, "int8" or "int4" (weight-only, CPU only).
 
         Raises:
             ModelDirectoryError: the model, or one of its files, is missing, unreadable,
                 truncated, or describes an architecture ringserve does not run.
-            ValueError: `dtype`, `load_format`, `max_model_len` or the generation config
-                options are not allowed for this model.
+            ValueError: `dtype`, `load_format`, `max_model_len`, `quantization` or the
+                generation config options are not allowed for this model.
         """
         from ringserve.checkpoint.hub import resolve_model
+
+        _check_quantization(quantization, device)
 
         if load_format not in LOAD_FORMATS:
             raise ValueError(f"load_format: got {load_format!r}, allowed: "
@@ -178,6 +187,7 @@ class ModelConfig:
             load_format=fmt,
             weights_path=str(weights),
             generation_defaults=generation_defaults(gen_dir, override_generation_config),
+            quantization=quantization,
         )
 
     def kv_bytes_per_token(self, tensor_parallel_size: int = 1) -> int:
@@ -200,6 +210,16 @@ def _check_model_dir(path: Path, load_format: str) -> None:
         raise ModelDirectoryError(f"model directory {path}: config.json is missing")
     if load_format == "safetensors":
         check_headers(checkpoint_files(path))
+
+
+def _check_quantization(quantization: str | None, device: str) -> None:
+    """Refuse a quantization method ringserve does not run, or one on a device it lacks."""
+    if quantization is not None and quantization not in QUANTIZATION_METHODS:
+        raise ValueError(f"quantization: got {quantization!r}, allowed: None (float weights), "
+                         f"{', '.join(QUANTIZATION_METHODS)}")
+    if quantization is not None and device != "cpu":
+        # The packed kernels are torch's CPU weight-only matmuls; CUDA has its own layouts.
+        raise ValueError(f"quantization: {quantization} runs on CPU only (device is {device})")
 
 
 def _is_gguf(path: Path) -> bool:

@@ -121,8 +121,6 @@ REFUSED: tuple[Refused, ...] = (
 )
 
 ONLY_VALUES: tuple[OnlyValues, ...] = (
-    OnlyValues(("--quantization", "-q"), (), "this engine runs unquantized weights only; "
-               "supported: none (leave --quantization out)"),
     OnlyValues(("--kv-cache-dtype",), ("auto",), "the KV cache is kept in the model's dtype"),
     OnlyValues(("--pipeline-parallel-size", "-pp"), ("1",),
                "pipeline parallelism is not implemented"),

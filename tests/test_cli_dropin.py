@@ -114,6 +114,13 @@ def test_vllm_short_flags_and_spellings() -> None:
         "ringserve: --api-server-count"]
 
 
+def test_quantization_flag_takes_int8_and_int4() -> None:
+    assert EngineArgs.from_cli_args(_checked(["serve", "m"])).quantization is None
+    assert EngineArgs.from_cli_args(_checked(["serve", "m", "-q", "int8"])).quantization == "int8"
+    ns = _checked(["serve", "m", "--quantization", "int4"])
+    assert EngineArgs.from_cli_args(ns).quantization == "int4"
+
+
 @pytest.mark.parametrize(("text", "value"), [
     ("4096", 4096), ("32k", 32_000), ("32K", 32_768), ("25.6k", 25_600), ("1m", 1_000_000),
     ("1M", 1 << 20), ("2g", 2_000_000_000), ("1G", 1 << 30), (" 8k ", 8000)])
@@ -187,9 +194,9 @@ def test_config_file_errors_name_the_file(tmp_path: Path,
 
 
 @pytest.mark.parametrize(("flags", "expected"), [
-    (["--quantization", "awq"], "--quantization awq is not supported: this engine runs "
-     "unquantized weights only; supported: none"),
-    (["-q", "fp8"], "--quantization fp8 is not supported"),
+    (["--quantization", "awq"], "argument --quantization/-q: 'awq' is not supported: ringserve "
+     "quantizes float weights at load (weight-only, CPU); supported: int8, int4"),
+    (["-q", "fp8"], "argument --quantization/-q: 'fp8' is not supported"),
     (["--kv-cache-dtype", "fp8"], "--kv-cache-dtype fp8 is not supported: the KV cache is kept "
      "in the model's dtype; supported: auto"),
     (["--pipeline-parallel-size", "2"], "supported: 1"),

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any, get_args
 
 from ringserve.config import (
+    QUANTIZATION_METHODS,
     REASONING_PARSERS,
     STRUCTURED_OUTPUT_BACKENDS,
     CacheConfig,
@@ -83,6 +84,20 @@ def human_readable_int_or_auto(text: str) -> int:
     return human_readable_int(text)
 
 
+def quantization_method(text: str) -> str:
+    """`--quantization`'s value, checked: vLLM's other methods (awq, gptq, fp8, ...) read
+    checkpoints quantized ahead of time, which ringserve does not.
+
+    Raises:
+        ValueError: not one of `QUANTIZATION_METHODS` (the message names them).
+    """
+    if text not in QUANTIZATION_METHODS:
+        raise ValueError(f"{text!r} is not supported: ringserve quantizes float "
+                         "weights at load (weight-only, CPU); supported: "
+                         f"{', '.join(QUANTIZATION_METHODS)}")
+    return text
+
+
 def _flag_type(parse: Any) -> Any:
     """`parse` as an argparse type: its ValueError message becomes the usage error."""
     def convert(text: str) -> Any:
@@ -142,6 +157,7 @@ class EngineArgs:
     download_dir: str | None = None
     generation_config: str = "auto"
     override_generation_config: str | dict[str, Any] | None = None
+    quantization: str | None = None
 
     # -- CLI -------------------------------------------------------------------------------
 
@@ -201,6 +217,7 @@ class EngineArgs:
             generation_config=self.generation_config,
             override_generation_config=self.override_generation_config,
             device=_resolve_device(self.device),
+            quantization=self.quantization,
         )
         return EngineConfig(
             model_config=model_config,
@@ -369,6 +386,9 @@ class EngineArgs:
                  lambda v: v is None or v > 0, "seconds > 0")
         _require("fault_tolerance_auto_retry", self.fault_tolerance_auto_retry,
                  lambda v: v >= 0, "an integer >= 0")
+        _require("quantization", self.quantization,
+                 lambda v: v is None or v in QUANTIZATION_METHODS,
+                 f"None or {', '.join(QUANTIZATION_METHODS)} (weight-only, CPU)")
         for name in ("max_num_queued_reqs", "max_num_queued_tokens"):
             _require(name, getattr(self, name), lambda v: v is None or v >= 1, "an integer >= 1")
         if self.device == "cuda" and _resolve_device("auto") != "cuda":
@@ -479,6 +499,9 @@ _FLAG_SPECS: tuple[_FlagSpec, ...] = (
               "Hugging Face cache)", str),
     _FlagSpec("generation_config", "request defaults: auto (the model's "
               "generation_config.json), vllm (none), or a directory holding one", str),
+    _FlagSpec("quantization", "weight-only quantization of the linear layers at load, on CPU: "
+              "int8 (per output channel) or int4 (groups of 32); the embedding and LM head "
+              "stay float", _flag_type(quantization_method), aliases=("-q",)),
     _FlagSpec("override_generation_config", "JSON object over the generation config, e.g. "
               "'{\"temperature\": 0.5}'", str),
 )

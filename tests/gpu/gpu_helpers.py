@@ -22,10 +22,11 @@ def make_runner(
     backend: BackendName = "torch",
     device: str = "cpu",
     tp: TPGroup | None = None,
+    quantization: str | None = None,
 ) -> ModelRunner:
     config = EngineArgs(
         model=str(model_dir), block_size=block_size, max_num_seqs=max_num_seqs,
-        max_model_len=max_model_len, device=device,
+        max_model_len=max_model_len, device=device, quantization=quantization,
     ).create_engine_config()
     runner = ModelRunner(config, torch.device(device), tp=tp, attention_backend=backend)
     runner.load_model()

@@ -59,10 +59,11 @@ class LlamaAttention(nn.Module):
             spec.hidden_size,
             [spec.num_heads * d, spec.num_kv_heads * d, spec.num_kv_heads * d],
             bias=spec.qkv_bias, tp=tp, dtype=spec.dtype,
-            shard_ranks=[tp.world_size, kv_shards, kv_shards],
+            shard_ranks=[tp.world_size, kv_shards, kv_shards], quantization=spec.quantization,
         )
         self.o_proj = RowParallelLinear(
-            spec.num_heads * d, spec.hidden_size, bias=False, tp=tp, dtype=spec.dtype
+            spec.num_heads * d, spec.hidden_size, bias=False, tp=tp, dtype=spec.dtype,
+            quantization=spec.quantization,
         )
         self.q_norm = RMSNorm(d, spec.rms_norm_eps, spec.dtype) if spec.qk_norm else None
         self.k_norm = RMSNorm(d, spec.rms_norm_eps, spec.dtype) if spec.qk_norm else None
@@ -106,10 +107,12 @@ class LlamaMLP(nn.Module):
         super().__init__()
         size = spec.intermediate_size
         self.gate_up_proj = ColumnParallelLinear(
-            spec.hidden_size, [size, size], bias=spec.mlp_bias, tp=tp, dtype=spec.dtype
+            spec.hidden_size, [size, size], bias=spec.mlp_bias, tp=tp, dtype=spec.dtype,
+            quantization=spec.quantization,
         )
         self.down_proj = RowParallelLinear(
-            size, spec.hidden_size, bias=spec.mlp_bias, tp=tp, dtype=spec.dtype
+            size, spec.hidden_size, bias=spec.mlp_bias, tp=tp, dtype=spec.dtype,
+            quantization=spec.quantization,
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -39,6 +39,8 @@ class DecoderSpec:
         dtype: parameter and activation dtype.
         sliding_window: every layer attends to this many most recent positions only (Phi-3);
             None: full attention. Families with per-layer windows (Gemma) set it per layer.
+        quantization: the linear layers' weight-only quantization ("int8", "int4") or None;
+            the embedding and LM head stay float.
     """
 
     vocab_size: int
@@ -57,6 +59,7 @@ class DecoderSpec:
     tie_word_embeddings: bool
     dtype: torch.dtype
     sliding_window: int | None = None
+    quantization: str | None = None
 
     @classmethod
     def from_model_config(
@@ -86,4 +89,5 @@ class DecoderSpec:
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
             dtype=TORCH_DTYPES[config.dtype],
             sliding_window=sliding_window,
+            quantization=config.quantization,
         )
