@@ -13,24 +13,19 @@ When it cannot be built, `load_kernel` logs why once and returns None (torch's k
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import logging
-import os
-import shutil
 import subprocess
-import tempfile
 import threading
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
-from ringserve import envs
+from ringserve.gpu import native_build
 
 logger = logging.getLogger(__name__)
 
 _SOURCE = Path(__file__).with_name("quant_int8.c")
-_FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared"]
 _SYMBOL = "ringserve_int8_linear_f32"
 
 Kernel = Callable[..., int]
@@ -73,31 +68,14 @@ def int8_linear(kernel: Kernel, x: torch.Tensor, codes: torch.Tensor,
     return out
 
 
-def _cpu_signature() -> str:
-    """The CPU's model and feature flags (what -march=native compiles for)."""
-    try:
-        lines = Path("/proc/cpuinfo").read_text().splitlines()
-    except OSError:
-        return os.uname().machine
-    wanted = ("model name", "flags", "Features", "CPU part")
-    return "\n".join(sorted({line for line in lines if line.split(":")[0].strip() in wanted}))
-
-
 def _load() -> Kernel | None:
-    cc = shutil.which(os.environ.get("CC") or "cc")
+    cc = native_build.compiler()
     if cc is None:
         logger.warning("no C compiler (CC or cc): int8 matmuls use torch's kernel")
         return None
     try:
-        version = subprocess.run([cc, "--version"], capture_output=True, text=True,
-                                 check=True, timeout=30).stdout
-        digest = hashlib.sha256("\0".join(
-            [_SOURCE.read_text(), cc, *_FLAGS, version, _cpu_signature()]).encode()
-        ).hexdigest()[:16]
-        path = envs.ringserve_home() / "kernels" / f"quant_int8-{digest}.so"
-        if not path.exists():
-            _compile(cc, path)
-        library = ctypes.CDLL(str(path))
+        library = native_build.build_library(_SOURCE, "quant_int8", cc,
+                                             native_build.OPENMP_FLAGS)
     except (OSError, subprocess.SubprocessError) as exc:
         logger.warning("the int8 CPU kernel is unavailable (%s): int8 matmuls use torch's "
                        "kernel", exc)
@@ -108,19 +86,3 @@ def _load() -> Kernel | None:
     kernel.restype = ctypes.c_int
     kernel_fn: Kernel = kernel
     return kernel_fn
-
-
-def _compile(cc: str, path: Path) -> None:
-    """Compile to a private file, then rename it into place (processes may race here)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".so.tmp")
-    os.close(fd)
-    try:
-        result = subprocess.run([cc, *_FLAGS, "-o", tmp, str(_SOURCE)],
-                                capture_output=True, text=True, timeout=120)
-        if result.returncode != 0:
-            raise OSError(f"{cc} failed: {result.stderr.strip()[-500:]}")
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)

@@ -22,13 +22,8 @@ on them.
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import logging
-import os
-import platform
-import shutil
 import subprocess
-import tempfile
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -37,14 +32,13 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ringserve import envs
+from ringserve.gpu import native_build
 from ringserve.gpu.attention import torch_ref
 from ringserve.gpu.attention.metadata import AttentionMetadata
 
 logger = logging.getLogger(__name__)
 
 _SOURCE = Path(__file__).with_name("cpu_decode.c")
-_FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared"]
 _SYMBOL = "ringserve_paged_decode_f32"
 
 # The kernel's ctypes function: (pointers and sizes as in cpu_decode.c) -> status.
@@ -146,39 +140,20 @@ def load_kernel() -> Kernel | None:
         return _loaded[key]
 
 
-def _compiler() -> str | None:
-    return shutil.which(os.environ.get("CC") or "cc")
-
-
 def _build_key() -> str:
-    cc = _compiler() or ""
-    return "|".join([cc, *_FLAGS])
-
-
-def _cpu_signature() -> str:
-    """The CPU's model and feature flags (what -march=native compiles for)."""
-    try:
-        lines = Path("/proc/cpuinfo").read_text().splitlines()
-    except OSError:
-        return platform.machine()
-    wanted = ("model name", "flags", "Features", "CPU part")
-    return "\n".join(sorted({line for line in lines if line.split(":")[0].strip() in wanted}))
+    cc = native_build.compiler() or ""
+    return "|".join([cc, *native_build.OPENMP_FLAGS])
 
 
 def _load(key: str) -> Kernel | None:
-    cc = _compiler()
+    del key  # the build key of the cache in load_kernel (compiler and flags)
+    cc = native_build.compiler()
     if cc is None:
         logger.warning("no C compiler (CC or cc): CPU attention uses the torch reference")
         return None
     try:
-        version = subprocess.run([cc, "--version"], capture_output=True, text=True,
-                                 check=True, timeout=30).stdout
-        digest = hashlib.sha256("\0".join(
-            [_SOURCE.read_text(), key, version, _cpu_signature()]).encode()).hexdigest()[:16]
-        path = envs.ringserve_home() / "kernels" / f"cpu_decode-{digest}.so"
-        if not path.exists():
-            _compile(cc, path)
-        library = ctypes.CDLL(str(path))
+        library = native_build.build_library(_SOURCE, "cpu_decode", cc,
+                                             native_build.OPENMP_FLAGS, ["-lm"])
     except (OSError, subprocess.SubprocessError) as exc:
         logger.warning("the CPU attention kernel is unavailable (%s): CPU attention uses "
                        "the torch reference", exc)
@@ -190,19 +165,3 @@ def _load(key: str) -> Kernel | None:
     kernel.restype = ctypes.c_int
     kernel_fn: Kernel = kernel
     return kernel_fn
-
-
-def _compile(cc: str, path: Path) -> None:
-    """Compile to a private file, then rename it into place (processes may race here)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".so.tmp")
-    os.close(fd)
-    try:
-        result = subprocess.run([cc, *_FLAGS, "-o", tmp, str(_SOURCE), "-lm"],
-                                capture_output=True, text=True, timeout=120)
-        if result.returncode != 0:
-            raise OSError(f"{cc} failed: {result.stderr.strip()[-500:]}")
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
