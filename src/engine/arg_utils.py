@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import re
 from dataclasses import dataclass
 from typing import Any, get_args
 
@@ -32,83 +31,18 @@ from ringserve.config import (
     SchedulingPolicy,
     StructuredOutputsConfig,
 )
+from ringserve.engine.flag_values import (
+    flag_type,
+    human_readable_int,
+    human_readable_int_or_auto,
+    parse_bytes,
+    quantization_method,
+)
+
+__all__ = ["DEMO_MODEL", "EngineArgs", "human_readable_int", "human_readable_int_or_auto",
+           "parse_bytes", "quantization_method"]
 
 DEMO_MODEL = "ringserve-demo"
-
-_BYTE_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
-
-
-def parse_bytes(text: str) -> int:
-    """Parse "1073741824", "512MiB", "4G" or "1.5 GB" as a byte count (binary units).
-
-    Raises:
-        ValueError: the text is not a non-negative size.
-    """
-    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(?:i?b)?\s*", text, re.IGNORECASE)
-    if match is None:
-        raise ValueError(f"not a byte size: {text!r} (examples: 1073741824, 512MiB, 4G)")
-    return int(float(match.group(1)) * _BYTE_UNITS[match.group(2).lower()])
-
-
-_DECIMAL_SUFFIXES = {"k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}
-_BINARY_SUFFIXES = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
-
-
-def human_readable_int(text: str) -> int:
-    """Parse vLLM's human-readable integers: "32768", "32k" (= 32000), "32K" (= 32768).
-
-    As vLLM: a lowercase suffix (k, m, g, t) is decimal and takes a fraction ("25.6k" is
-    25600); an uppercase one (K, M, G, T) is binary and takes whole numbers only.
-
-    Raises:
-        ValueError: not such an integer (the message says what is allowed).
-    """
-    value = text.strip()
-    match = re.fullmatch(r"(\d+(?:\.\d+)?)([kmgtKMGT]?)", value)
-    if match is None:
-        raise ValueError(f"not an integer: {text!r} (examples: 32768, 32k = 32000, "
-                         "32K = 32768, 25.6k)")
-    number, suffix = match.groups()
-    if suffix in _DECIMAL_SUFFIXES:
-        return int(float(number) * _DECIMAL_SUFFIXES[suffix])
-    if "." in number:
-        raise ValueError(f"not an integer: {text!r} (a fraction takes a lowercase, decimal "
-                         f"suffix: {number}{suffix.lower()}, not {number}{suffix})")
-    return int(number) * _BINARY_SUFFIXES.get(suffix, 1)
-
-
-def human_readable_int_or_auto(text: str) -> int:
-    """`human_readable_int`, or -1 for "auto" / "-1" (vLLM's spelling of "from the model")."""
-    if text.strip() == "-1" or text.strip().lower() == "auto":
-        return -1
-    return human_readable_int(text)
-
-
-def quantization_method(text: str) -> str:
-    """`--quantization`'s value, checked: vLLM's other methods (awq, gptq, fp8, ...) read
-    checkpoints quantized ahead of time, which ringserve does not.
-
-    Raises:
-        ValueError: not one of `QUANTIZATION_METHODS` (the message names them).
-    """
-    if text not in QUANTIZATION_METHODS:
-        raise ValueError(f"{text!r} is not supported: ringserve quantizes float "
-                         "weights at load (weight-only, CPU); supported: "
-                         f"{', '.join(QUANTIZATION_METHODS)}")
-    return text
-
-
-def _flag_type(parse: Any) -> Any:
-    """`parse` as an argparse type: its ValueError message becomes the usage error."""
-    def convert(text: str) -> Any:
-        try:
-            return parse(text)
-        except ValueError as exc:
-            raise argparse.ArgumentTypeError(str(exc)) from None
-
-    convert.__name__ = parse.__name__
-    return convert
-
 
 @dataclass
 class EngineArgs:
@@ -178,7 +112,7 @@ class EngineArgs:
             spec.add_to(group)
         # vLLM's spellings of the same settings (their defaults come from the flags above).
         group.add_argument("--kv-cache-memory-bytes", dest="kv_cache_memory",
-                           type=_flag_type(human_readable_int), default=argparse.SUPPRESS,
+                           type=flag_type(human_readable_int), default=argparse.SUPPRESS,
                            help="vLLM's name of --kv-cache-memory (4G = 4 GiB, 4g = 4e9)")
         group.add_argument("--disable-log-requests", dest="enable_log_requests",
                            action="store_false", default=argparse.SUPPRESS,
@@ -452,12 +386,12 @@ _FLAG_SPECS: tuple[_FlagSpec, ...] = (
     _FlagSpec("seed", "random seed", int),
     _FlagSpec("max_model_len", "longest prompt + output in tokens: 4096, 32k (= 32000), 32K "
               "(= 32768), or auto / -1 (from config.json, the default)",
-              _flag_type(human_readable_int_or_auto)),
+              flag_type(human_readable_int_or_auto)),
     _FlagSpec("block_size", "tokens per KV cache block", int),
     _FlagSpec("enable_prefix_caching", "reuse KV blocks of common prefixes", boolean=True),
     _FlagSpec("max_num_seqs", "most requests running at once", int),
     _FlagSpec("max_num_batched_tokens", "token budget of one step (e.g. 8192, 8k)",
-              _flag_type(human_readable_int)),
+              flag_type(human_readable_int)),
     _FlagSpec("enable_chunked_prefill", "split long prompts over steps", boolean=True),
     _FlagSpec("long_prefill_token_threshold", "cap of one prompt chunk (0: off)", int),
     _FlagSpec("tensor_parallel_size", "tensor parallel ranks", int, aliases=("-tp",)),
@@ -501,7 +435,7 @@ _FLAG_SPECS: tuple[_FlagSpec, ...] = (
               "generation_config.json), vllm (none), or a directory holding one", str),
     _FlagSpec("quantization", "weight-only quantization of the linear layers at load, on CPU: "
               "int8 (per output channel) or int4 (groups of 32); the embedding and LM head "
-              "stay float", _flag_type(quantization_method), aliases=("-q",)),
+              "stay float", flag_type(quantization_method), aliases=("-q",)),
     _FlagSpec("override_generation_config", "JSON object over the generation config, e.g. "
               "'{\"temperature\": 0.5}'", str),
 )

@@ -21,7 +21,7 @@ from pathlib import Path
 
 from ringserve import envs
 from ringserve.config import EngineConfig
-from ringserve.engine.arg_utils import parse_bytes
+from ringserve.engine.flag_values import parse_bytes
 from ringserve.http.settings import DEFAULT_MAX_REQUEST_BODY_BYTES, ServeSettings
 from ringserve.http.tool_parsers import TOOL_PARSERS, check_tool_parser
 

@@ -213,7 +213,7 @@ def test_http_request_defaults_come_from_the_generation_config(tiny_llama_dir: P
 
 def test_dtype_auto_and_rope_stretched_length(tiny_llama_dir: Path, tmp_path: Path,
                                               monkeypatch: pytest.MonkeyPatch) -> None:
-    import ringserve.config as config_module
+    import ringserve.checkpoint.model_dir as model_dir_module
 
     copy = _copy(tiny_llama_dir, tmp_path / "m")
     cfg = json.loads((copy / "config.json").read_text())
@@ -221,9 +221,9 @@ def test_dtype_auto_and_rope_stretched_length(tiny_llama_dir: Path, tmp_path: Pa
                rope_scaling={"rope_type": "yarn", "factor": 4.0,
                              "original_max_position_embeddings": 512})
     (copy / "config.json").write_text(json.dumps(cfg))
-    monkeypatch.setattr(config_module, "cpu_has_native_bf16", lambda: False)
+    monkeypatch.setattr(model_dir_module, "cpu_has_native_bf16", lambda: False)
     assert ModelConfig.from_model_dir(str(copy)).dtype == "float32"
     assert ModelConfig.from_model_dir(str(copy), device="cuda").dtype == "bfloat16"
-    monkeypatch.setattr(config_module, "cpu_has_native_bf16", lambda: True)
+    monkeypatch.setattr(model_dir_module, "cpu_has_native_bf16", lambda: True)
     assert ModelConfig.from_model_dir(str(copy)).dtype == "bfloat16"
     assert ModelConfig.from_model_dir(str(copy)).max_model_len == 2048  # 512 x 4 (yarn)
