@@ -1,8 +1,9 @@
 """Aborts under backpressure (issue 14 item 3): an abort that meets a full pipe to a core (the
 core SIGSTOPped, its pipe filled to zmq's high-water mark) is queued, never dropped, and goes
 out in order before the core's next message or as soon as the pipe has room; the core then
-frees the request's blocks. Null model; requests long enough (60000 tokens, ~3 s) that they
-cannot end on their own while a test runs."""
+frees the request's blocks. Null model; requests of 60000 tokens (~3 s on an idle machine).
+The sync test pauses its core (mode "keep") once its requests run, so they can end only by an
+abort, however slowly a loaded machine drains the pipe."""
 
 from __future__ import annotations
 
@@ -98,6 +99,13 @@ def test_sync_abort_into_a_full_pipe_is_queued_then_sent(long_model_dir: Path,
         seen: set[str] = set()
         while seen != {"victim", "keeper"}:
             seen.update(o.request_id for o in client.get_output().outputs)
+        # Both are running (they hold blocks); from now on no step runs, so neither can end
+        # on its own (a loaded machine once let 60000 tokens pass before the abort did). The
+        # paused core still answers every batch of input it reads with an output (its stats,
+        # and `finished_requests` after the abort), so `get_output` below keeps returning.
+        client.call_utility("pause", "keep")
+        stats = client.call_utility("get_stats")
+        assert (stats["num_running_reqs"], stats["num_waiting_reqs"]) == (2, 0)
         pid = client.process.pid
         stopped.append(pid)
         os.kill(pid, signal.SIGSTOP)
@@ -114,6 +122,7 @@ def test_sync_abort_into_a_full_pipe_is_queued_then_sent(long_model_dir: Path,
         assert not client._aborts
         stats = client.call_utility("get_stats")
         assert (stats["num_running_reqs"], stats["num_waiting_reqs"]) == (1, 0)  # the keeper
+        assert stats["kv_cache_usage"] > 0.0  # the keeper's blocks, still held
         client.abort_requests(["keeper"])
         stats = client.call_utility("get_stats")
         assert (stats["num_running_reqs"], stats["num_waiting_reqs"]) == (0, 0)
