@@ -1,12 +1,14 @@
 #!/usr/bin/env python3
-"""Profile one decode step (issue 17, before any optimisation): where its time goes at batch
-1, 8 and 64, on the demo model and on a SmolLM-135M-shaped Llama (`--load-format dummy`).
+"""Profile one decode step (issue 17): where its time goes at batch 1, 8 and 64, on the demo
+model and on a SmolLM-135M-shaped Llama (`--load-format dummy`), eagerly and captured.
 
 In process, on CPU with the default attention backend (the C decode kernel): a `ModelRunner`
 is driven with hand-built SchedulerOutputs (no scheduler): B requests of `--prompt-len` random
 tokens are prefilled (chunked under a token budget), then decode steps are timed. Each of the
-`--runs` rounds times `--steps` steps after `--warmup` warm-up steps twice: plain (the step
-total, `execute_model`, nothing wrapped) and instrumented (perf_counter wrappers installed by
+`--runs` rounds times `--steps` steps after `--warmup` warm-up steps three times: captured (the
+step total through the captured decode step, `ringserve.gpu.decode_capture`: the fused C
+step), plain (the eager step total, `execute_model` with the capture taken off the runner,
+nothing wrapped) and instrumented (eager, with perf_counter wrappers installed by
 this script on the instances, and on the runner module's helper names, restored afterwards;
 nothing in src/ is changed). The breakdown comes from the instrumented run; its exclusive
 categories (input prep, embedding, norms, qkv / o projections, rotary, KV write, attention,
@@ -15,10 +17,11 @@ reported in ms per step and % of the instrumented step, and "other" (Python glue
 adds, reshapes, the diff, loops) is the step minus their sum. The plain minus instrumented
 step total is the wrappers' own cost.
 
-The engine step: the same workload through `LLM.generate` (the real frontend, core process,
+The engine step: the same workload through `LLM.generate` with the default settings (the
+captured step; the real frontend, core process,
 scheduler, executor and output processor), timed at max_tokens 1 and 1 + steps with
 ignore_eos (the prompts are prefix-cached after a warm-up call); the difference per step,
-minus the runner's plain step, is the engine loop + output path beyond the runner.
+minus the runner's captured step, is the engine loop + output path beyond the runner.
 
 The bound: bytes read per decode step (all weights once, including the LM head, plus the KV
 read by attention) over the read bandwidth measured in this run (`.sum()` of a 512 MB float32
@@ -85,7 +88,8 @@ def smol_135m_dir(root: Path) -> Path:
 def engine_kwargs(model: str, tmp: Path, max_seqs: int, max_len: int) -> dict[str, Any]:
     """EngineArgs fields of a model key ("demo" or "135m")."""
     kw: dict[str, Any] = {"device": "cpu", "block_size": BLOCK_SIZE, "max_num_seqs": max_seqs,
-                          "max_model_len": max_len, "disable_log_stats": True}
+                          "max_model_len": max_len, "disable_log_stats": True,
+                          "cuda_graph_sizes": [max_seqs]}
     if model == "135m":
         kw.update(model=str(smol_135m_dir(tmp)), load_format="dummy")
     elif model != "demo":
@@ -292,8 +296,15 @@ def profile_batch(runner: Any, batch: int, args: argparse.Namespace, max_len: in
     dec.prefill()
     log(f"  batch {batch}: prefill {time.perf_counter() - t0:.1f} s")
     context0 = dec.context()
-    plain, breakdowns, instr_steps = [], [], []
+    plain, captured, breakdowns, instr_steps = [], [], [], []
+    capture = runner.capture
+    if capture is None:
+        log(f"  no captured step: {runner.capture_reason}")
     for _ in range(args.runs):
+        if capture is not None:
+            timed_steps(dec, args.warmup)
+            captured.append(statistics.median(timed_steps(dec, args.steps)))
+        runner.capture = None
         timed_steps(dec, args.warmup)
         plain.append(statistics.median(timed_steps(dec, args.steps)))
         acc: dict[str, float] = {}
@@ -302,10 +313,13 @@ def profile_batch(runner: Any, batch: int, args: argparse.Namespace, max_len: in
             acc.clear()
             instr_steps.append(statistics.median(timed_steps(dec, args.steps)))
         breakdowns.append(exclusive(acc, args.steps))
+        runner.capture = capture
     weights, kv = step_bytes(runner, batch, (context0 + dec.context()) // 2)
     dec.finish()
-    log(f"  batch {batch}: plain step {statistics.median(plain):.2f} ms")
-    return {"batch": batch, "plain_ms": plain, "instrumented_ms": instr_steps,
+    log(f"  batch {batch}: eager step {statistics.median(plain):.2f} ms, captured "
+        f"{statistics.median(captured) if captured else float('nan'):.2f} ms")
+    return {"batch": batch, "plain_ms": plain, "captured_ms": captured,
+            "instrumented_ms": instr_steps,
             "breakdown": {k: statistics.median(b[k] for b in breakdowns) for k in breakdowns[0]},
             "weight_bytes": weights, "kv_bytes": kv, "context": (context0, dec.context())}
 
@@ -354,21 +368,26 @@ def span(values: list[float], fmt: str = ".2f") -> str:
 def report(model: str, results: list[dict[str, Any]], engine: dict[int, list[float]] | None,
            bandwidth: float) -> str:
     """Markdown tables for one model: step totals and bound, then the breakdown."""
-    lines = [f"### {model}", "", "| batch | runner step ms, plain | instrumented ms | engine "
-             "step ms (LLM.generate) | engine - runner ms | weights + KV read MB | bound ms | "
-             "step / bound |", "|---|---|---|---|---|---|---|---|"]
+    lines = [f"### {model}", "", "| batch | captured step ms | eager step ms, plain | "
+             "instrumented ms | engine step ms (LLM.generate) | engine - captured ms | weights + "
+             "KV read MB | bound ms | bound / captured | bound / eager |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         plain = statistics.median(r["plain_ms"])
+        cap = statistics.median(r["captured_ms"]) if r["captured_ms"] else None
         eng = engine.get(r["batch"]) if engine else None
         eng_text = span(eng) if eng else "not run"
-        diff = f"{statistics.median(eng) - plain:.2f}" if eng else "-"
+        diff = f"{statistics.median(eng) - cap:.2f}" if eng and cap else "-"
         mb = (r["weight_bytes"] + r["kv_bytes"]) / 1e6
         bound = 1e3 * (r["weight_bytes"] + r["kv_bytes"]) / bandwidth
-        lines.append(f"| {r['batch']} | {span(r['plain_ms'])} | {span(r['instrumented_ms'])} | "
-                     f"{eng_text} | {diff} | {mb:.1f} ({r['kv_bytes'] / 1e6:.1f} KV) | "
-                     f"{bound:.2f} | {100 * plain / bound:.0f}% |")
+        cap_text = span(r["captured_ms"]) if cap else "not captured"
+        cap_ratio = f"{100 * bound / cap:.0f}%" if cap else "-"
+        lines.append(f"| {r['batch']} | {cap_text} | {span(r['plain_ms'])} | "
+                     f"{span(r['instrumented_ms'])} | {eng_text} | {diff} | {mb:.1f} "
+                     f"({r['kv_bytes'] / 1e6:.1f} KV) | {bound:.2f} | {cap_ratio} | "
+                     f"{100 * bound / plain:.0f}% |")
     head = " | ".join(f"batch {r['batch']} ms (%)" for r in results)
-    lines += ["", f"| category (instrumented; mean ms per step, median of rounds) | {head} |",
+    lines += ["", f"| category (eager, instrumented; mean ms per step, median of rounds) | {head} |",
               "|---|" + "---|" * len(results)]
     for cat in (*CATEGORIES, "other"):
         cells = []

@@ -189,6 +189,32 @@ class ModelConfig:
         return 2 * self.num_hidden_layers * kv_heads * self.head_dim * itemsize
 
 
+# The decode batch sizes captured by default (vLLM's ladder: 1, 2, 4, then every 8 to 512). A
+# CUDA graph runs the smallest captured size >= B with padding rows; the CPU's fused step runs
+# any B up to the largest.
+DEFAULT_CAPTURE_SIZES = (1, 2, 4, *range(8, 513, 8))
+
+
+@dataclass(frozen=True, slots=True)
+class CompilationConfig:
+    """How the decode step runs (`ringserve.gpu.decode_capture`).
+
+    Attributes:
+        enforce_eager: run every step eagerly (module by module); no captured decode step.
+        capture_sizes: the ladder of decode batch sizes with a captured step (ascending);
+            a pure-decode step of more requests than the largest runs eagerly.
+    """
+
+    enforce_eager: bool = False
+    capture_sizes: tuple[int, ...] = DEFAULT_CAPTURE_SIZES
+
+    def __post_init__(self) -> None:
+        sizes = self.capture_sizes
+        if not sizes or any(s < 1 for s in sizes) or list(sizes) != sorted(set(sizes)):
+            raise ValueError(f"cuda_graph_sizes: got {list(sizes)}, expected distinct "
+                             "ascending batch sizes >= 1")
+
+
 @dataclass(frozen=True, slots=True)
 class CacheConfig:
     """The paged KV cache and prefix caching.
@@ -318,3 +344,4 @@ class EngineConfig:
     fault_tolerance_config: FaultToleranceConfig
     frontend_config: FrontendConfig
     structured_outputs_config: StructuredOutputsConfig = StructuredOutputsConfig()
+    compilation_config: CompilationConfig = CompilationConfig()

@@ -63,14 +63,13 @@ class OnlyValues:
     reason: str
 
 
-_NO_CUDA_GRAPHS = "ringserve captures no CUDA graphs yet: decode already runs eagerly"
+_NO_CUDA_GRAPHS = ("ringserve captures decode steps by batch size (--cuda-graph-sizes); a "
+                   "captured step reads any sequence length")
 
 NO_EFFECT: tuple[NoEffect, ...] = (
     NoEffect(("--trust-remote-code",), "ringserve runs its own model implementations and "
              "never executes code from a model repository"),
-    NoEffect(("--enforce-eager",), _NO_CUDA_GRAPHS),
     NoEffect(("--max-seq-len-to-capture",), _NO_CUDA_GRAPHS, takes_value=True),
-    NoEffect(("--cuda-graph-sizes",), _NO_CUDA_GRAPHS, takes_value=True, nargs="+"),
     NoEffect(("--compilation-config", "-O"), "ringserve does not torch.compile the model",
              takes_value=True),
     NoEffect(("--disable-uvicorn-access-log",), "ringserve's HTTP server writes no access "

@@ -150,6 +150,7 @@ max_model_len: 16k
 served-model-name: [alpha, beta]
 --enable-prefix-caching: false
 enforce_eager: true
+max-seq-len-to-capture: 8192
 trust-remote-code: false
 allowed-origins: ["https://a.example"]
 override-generation-config: {temperature: 0.5}
@@ -162,8 +163,9 @@ seed: null
     assert ns.enable_prefix_caching is False
     assert ns.allowed_origins == [["https://a.example"]]
     assert ns.override_generation_config == '{"temperature": 0.5}'
+    assert ns.enforce_eager is True
     assert [line.split(" has ")[0] for line in no_effect_lines(ns)] == [
-        "ringserve: --enforce-eager"]  # trust-remote-code: false is no request to note
+        "ringserve: --max-seq-len-to-capture"]  # trust-remote-code: false is no request to note
     ns = _checked(["serve", "positional-model", f"--config={config}",
                    "--served-model-name", "gamma", "--enable-prefix-caching"])
     args = EngineArgs.from_cli_args(ns)
@@ -236,14 +238,16 @@ def test_model_directory_problem_exits_1(tmp_path: Path, capsys: pytest.CaptureF
     empty = tmp_path / "no-config"
     empty.mkdir()
     with caplog.at_level(logging.INFO, logger="ringserve.cli"):
-        status = main(["serve", str(empty), "--enforce-eager", "--device", "cpu"])
+        status = main(["serve", str(empty), "--max-seq-len-to-capture", "8192", "--device",
+                       "cpu"])
     assert status == 1
     lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 1 and str(empty) in lines[0] and "config.json" in lines[0], lines
     assert "Traceback" not in lines[0]
     notes = [r.getMessage() for r in caplog.records if "has no effect" in r.getMessage()]
-    assert notes == ["ringserve: --enforce-eager has no effect here (ringserve captures no "
-                     "CUDA graphs yet: decode already runs eagerly)"]
+    assert notes == ["ringserve: --max-seq-len-to-capture has no effect here (ringserve "
+                     "captures decode steps by batch size (--cuda-graph-sizes); a captured "
+                     "step reads any sequence length)"]
 
 
 def test_exit_status_split() -> None:

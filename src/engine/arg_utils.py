@@ -19,6 +19,7 @@ from ringserve.config import (
     REASONING_PARSERS,
     STRUCTURED_OUTPUT_BACKENDS,
     CacheConfig,
+    CompilationConfig,
     DeviceConfig,
     EngineConfig,
     ExecutorBackend,
@@ -92,6 +93,8 @@ class EngineArgs:
     generation_config: str = "auto"
     override_generation_config: str | dict[str, Any] | None = None
     quantization: str | None = None
+    enforce_eager: bool = False
+    cuda_graph_sizes: tuple[int, ...] | list[int] | None = None
 
     # -- CLI -------------------------------------------------------------------------------
 
@@ -186,7 +189,19 @@ class EngineArgs:
                 max_num_queued_tokens=self.max_num_queued_tokens,
             ),
             structured_outputs_config=self._structured_outputs_config(),
+            compilation_config=self._compilation_config(),
         )
+
+    def _compilation_config(self) -> CompilationConfig:
+        sizes = self.cuda_graph_sizes
+        try:
+            if sizes is None:
+                return CompilationConfig(enforce_eager=self.enforce_eager)
+            return CompilationConfig(enforce_eager=self.enforce_eager,
+                                     capture_sizes=tuple(int(v) for v in sizes))
+        except (TypeError, ValueError) as exc:
+            raise _fail("cuda_graph_sizes", sizes,
+                        "distinct ascending batch sizes >= 1") from exc
 
     def served_model_names(self) -> tuple[str, ...]:
         """The names clients may use (the first is the one metrics and logs use).
@@ -433,9 +448,14 @@ _FLAG_SPECS: tuple[_FlagSpec, ...] = (
               "Hugging Face cache)", str),
     _FlagSpec("generation_config", "request defaults: auto (the model's "
               "generation_config.json), vllm (none), or a directory holding one", str),
-    _FlagSpec("quantization", "weight-only quantization of the linear layers at load, on CPU: "
-              "int8 (per output channel) or int4 (groups of 32); the embedding and LM head "
-              "stay float", flag_type(quantization_method), aliases=("-q",)),
+    _FlagSpec("quantization", "weight-only quantization of the linear layers and the LM head "
+              "at load, on CPU: int8 (per output channel) or int4 (groups of 32); the "
+              "embedding stays float", flag_type(quantization_method), aliases=("-q",)),
+    _FlagSpec("enforce_eager", "run every step module by module: no captured decode step "
+              "(ringserve.gpu.decode_capture)", boolean=True),
+    _FlagSpec("cuda_graph_sizes", "the decode batch sizes that get a captured step (on CPU "
+              "the fused C step, which runs any batch up to the largest; default 1 2 4 8 16 "
+              "... 512)", int, nargs="+"),
     _FlagSpec("override_generation_config", "JSON object over the generation config, e.g. "
               "'{\"temperature\": 0.5}'", str),
 )

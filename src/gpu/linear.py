@@ -7,17 +7,20 @@ The model code (`ringserve.gpu.models`) builds them; the loader (`ringserve.gpu.
 each checkpoint tensor to `load(...)`, which narrows it to this rank's shard, so a full copy of
 a parallel weight never lives on a rank longer than the copy itself.
 
-After loading, `process_weights_after_loading` repacks float32 CPU weights into oneDNN's
-blocked layout (`pack_weight`) and drops the plain copy, as vLLM's CPU backend does: the MKL
-GEMM behind `F.linear` is slow for the few-row products of decode steps. Measured on the
-2-core benchmark VM (2 threads): the 256x8000 LM head at 32 rows 1.0 -> 0.6 ms, at 3 rows
-0.55 -> 0.09 ms; the 256x1024 gate/up projection at 19 rows 100 -> 61 us; prefill-sized
-products no slower. Results differ from `F.linear` only by float32 rounding order (~1e-6
-relative). Other devices and dtypes keep `F.linear`.
+After loading, `process_weights_after_loading` repacks float32 CPU weights into the panel
+layout of the project's own matmul (`ringserve.gpu.panel_native`: panels of 16 output
+channels, the bias folded in) and drops the plain copy. The fused decode step
+(`ringserve.gpu.decode_capture`) reads the same panels. Measured on the 2-core benchmark VM
+(2 threads, weights streamed from DRAM): the 3072x576 gate/up projection at 1 row 10.3 ms per
+30 layers against 17.2 ms for oneDNN's prepacked GEMM and 29 ms for MKL's `F.linear`; at 64
+rows about even with oneDNN. Where the C library cannot be built, float32 CPU weights are
+packed for oneDNN instead (`pack_weight`, as vLLM's CPU backend does). Results differ from
+`F.linear` only by float32 rounding order (~1e-6 relative). Other devices and dtypes keep
+`F.linear`.
 
 A layer built with `quantization="int8"` or `"int4"` instead quantizes its loaded shard there
-(`ringserve.gpu.quant.quantize`: each TP rank quantizes what it holds) and runs the packed
-weight-only kernel (`quantized_linear`); its float weight is dropped.
+(`ringserve.gpu.quant.quantize`: each TP rank quantizes what it holds) into int8 / int4
+panels that the kernels read packed (`quantized_linear`); its float weight is dropped.
 """
 
 from __future__ import annotations
@@ -26,8 +29,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ringserve.gpu import panel_native
+from ringserve.gpu.panel_native import PanelWeight
 from ringserve.gpu.parallel import TPGroup
-from ringserve.gpu.quant import QuantizedWeight, check_method, quantize, quantized_linear
+from ringserve.gpu.quant import check_method, quantize, quantized_linear
 
 # The batch size oneDNN tunes the packed layout for; any number of rows works with it, and
 # the speed measured the same for hints of 32 and 4096 (a hint of 1 was slower at 3+ rows).
@@ -65,12 +70,26 @@ def repack(weight: nn.Parameter, *, keep_weight: bool = False
 
 
 def apply_linear(x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor | None,
-           bias: torch.Tensor | None = None) -> torch.Tensor:
-    """`F.linear(x, weight, bias)`, from the packed copy when `repack` made one."""
+                 bias: torch.Tensor | None = None, panel: PanelWeight | None = None
+                 ) -> torch.Tensor:
+    """`F.linear(x, weight, bias)`: from the panels when the layer has them (their bias is
+    folded in: `bias` is then not added again), else from the oneDNN copy `repack` made."""
+    if panel is not None:
+        return panel_forward(x, panel)
     if packed is None:
         return F.linear(x, weight, bias)
     out: torch.Tensor = torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
     return out
+
+
+def panel_forward(x: torch.Tensor, panel: PanelWeight) -> torch.Tensor:
+    """`x @ W^T + b` from a layer's panels (float32, int8 or int4)."""
+    if panel.format != "f32":
+        return quantized_linear(x, panel)
+    library = panel_native.load_library()
+    if library is None:  # panels are only made once the library has loaded
+        raise RuntimeError("float32 panels without the CPU matmul library")
+    return panel_native.linear(library, x, panel)
 
 
 class ColumnParallelLinear(nn.Module):
@@ -114,7 +133,7 @@ class ColumnParallelLinear(nn.Module):
             nn.Parameter(torch.empty(out, dtype=dtype), requires_grad=False) if bias else None
         )
         self.packed: torch.Tensor | None = None
-        self.quantized: QuantizedWeight | None = None
+        self.panel: PanelWeight | None = None
 
     def process_weights_after_loading(self) -> None:
         """Pack the loaded weight for this device's fastest GEMM, or quantize it (see the
@@ -125,7 +144,8 @@ class ColumnParallelLinear(nn.Module):
         Raises:
             ValueError: the shard's shape or device does not suit the quantization method.
         """
-        self.packed, self.quantized, self.weight = _finish_weight(self.weight, self.quantization)
+        self.packed, self.panel, self.weight = _finish_weight(
+            self.weight, self.bias, self.quantization)
 
     def _shard_index(self, shard_id: int) -> int:
         n = self.shard_ranks[shard_id]
@@ -150,9 +170,7 @@ class ColumnParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """This rank's slice of the output features."""
-        if self.quantized is not None:
-            return quantized_linear(x, self.quantized, self.bias)
-        return apply_linear(x, self.weight, self.packed, self.bias)
+        return apply_linear(x, self.weight, self.packed, self.bias, self.panel)
 
 
 class RowParallelLinear(nn.Module):
@@ -178,11 +196,13 @@ class RowParallelLinear(nn.Module):
             nn.Parameter(torch.empty(output_size, dtype=dtype), requires_grad=False) if bias else None
         )
         self.packed: torch.Tensor | None = None
-        self.quantized: QuantizedWeight | None = None
+        self.panel: PanelWeight | None = None
 
     def process_weights_after_loading(self) -> None:
-        """See `ColumnParallelLinear.process_weights_after_loading`."""
-        self.packed, self.quantized, self.weight = _finish_weight(self.weight, self.quantization)
+        """See `ColumnParallelLinear.process_weights_after_loading` (the bias is folded into
+        the panels at world size 1 only: with more ranks it is added after the reduction)."""
+        self.packed, self.panel, self.weight = _finish_weight(
+            self.weight, self.bias if self.tp.world_size == 1 else None, self.quantization)
 
     def load(self, name: str, loaded: torch.Tensor, shard_id: int = 0) -> None:
         """Copy this rank's columns of the weight (or the whole bias)."""
@@ -200,12 +220,10 @@ class RowParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """The full output, summed over the ranks."""
-        if self.quantized is not None:
-            partial = quantized_linear(x, self.quantized)
-        else:
-            partial = apply_linear(x, self.weight, self.packed)
+        partial = apply_linear(x, self.weight, self.packed, panel=self.panel)
         y = self.tp.all_reduce(partial)
-        return y if self.bias is None else y + self.bias
+        folded = self.panel is not None and self.panel.bias is not None
+        return y if self.bias is None or folded else y + self.bias
 
 
 def check_shape(loaded: torch.Tensor, expected: tuple[int, ...]) -> None:
@@ -227,14 +245,19 @@ def _checked_method(quantization: str | None) -> str | None:
     return quantization
 
 
-def _finish_weight(weight: nn.Parameter, quantization: str | None
-                   ) -> tuple[torch.Tensor | None, QuantizedWeight | None, nn.Parameter]:
-    """(oneDNN's packed copy, the quantized weight, the weight to keep) after loading."""
-    if quantization is None:
-        packed, kept = repack(weight)
-        return packed, None, kept
-    quantized = quantize(weight.data, quantization)
-    return None, quantized, nn.Parameter(torch.empty(0, dtype=weight.dtype), requires_grad=False)
+def _finish_weight(weight: nn.Parameter, bias: nn.Parameter | None, quantization: str | None
+                   ) -> tuple[torch.Tensor | None, PanelWeight | None, nn.Parameter]:
+    """(oneDNN's packed copy, the panels with `bias` folded in, the weight to keep) after
+    loading: panels for a quantized layer and for float32 CPU weights when the C library
+    loads, oneDNN's copy otherwise (the plain weight is dropped either way where possible)."""
+    empty = nn.Parameter(torch.empty(0, dtype=weight.dtype), requires_grad=False)
+    if quantization is not None:
+        return None, quantize(weight.data, quantization).with_bias(bias), empty
+    if (weight.device.type == "cpu" and weight.dtype == torch.float32
+            and panel_native.load_library() is not None):
+        return None, panel_native.pack_f32(weight.data, bias), empty
+    packed, kept = repack(weight)
+    return packed, None, kept
 
 
 def _divide(total: int, parts: int, what: str) -> int:

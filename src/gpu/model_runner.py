@@ -7,6 +7,10 @@ model, compute prompt logprobs (`ringserve.gpu.prompt_logprobs`), gather samplin
 (`ringserve.gpu.sampling_metadata`) and sample (`ringserve.gpu.sampler`). The worker
 (`ringserve.gpu.worker`) owns the runner; tests drive it directly with hand-built schedules.
 
+A step of single-token decodes runs through the captured decode step when there is one
+(`ringserve.gpu.decode_capture`, built with the KV cache unless `--enforce-eager`); every
+other step runs the model eagerly.
+
 Per-request failures do not raise: a new request that does not validate is left out of the
 batch (absent from `req_ids`), a request whose logits hold a NaN gets an empty sampled list, and
 both get a message in `request_errors` for this step; the rest of the batch goes on.
@@ -14,6 +18,7 @@ both get a message in `request_errors` for this step; the rest of the batch goes
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,8 +26,10 @@ import numpy as np
 import torch
 
 from ringserve.config import EngineConfig
+from ringserve.gpu import panel_native
 from ringserve.gpu.attention.backend import BackendName, select_backend
 from ringserve.gpu.bad_words import bad_words_encoder
+from ringserve.gpu.decode_capture import DecodeCapture
 from ringserve.gpu.grammar_mask import apply_bitmask
 from ringserve.gpu.input_prep import StepInputs, prepare_inputs
 from ringserve.gpu.kv_cache import KVCacheSpec, allocate_kv_cache
@@ -36,6 +43,8 @@ from ringserve.gpu.sampler import Sampler
 from ringserve.gpu.sampling_metadata import build_sampling_metadata
 from ringserve.gpu.validation import validate_request
 from ringserve.gpu.wire import GrammarOutput, ModelRunnerOutput, SchedulerOutput
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
@@ -80,6 +89,8 @@ class ModelRunner:
         self.kv_caches: list[torch.Tensor] = []
         self.request_errors: dict[str, str] = {}
         self._awaiting_grammar: _ForwardDone | None = None
+        self.capture: DecodeCapture | None = None
+        self.capture_reason = "not captured yet"
 
     def _new_table(self) -> RequestTable:
         config = self.config
@@ -110,17 +121,44 @@ class ModelRunner:
         )
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
-        """Allocate `num_blocks` KV blocks per layer (layout: `ringserve.gpu.kv_cache`)."""
+        """Allocate `num_blocks` KV blocks per layer (layout: `ringserve.gpu.kv_cache`), and
+        capture the decode step over them (`capture_decode`)."""
         self.kv_caches = allocate_kv_cache(self.kv_spec, num_blocks, self.device)
+        self.capture_decode()
+
+    def capture_decode(self) -> None:
+        """Build the captured decode step for the loaded model and KV cache, unless
+        `--enforce-eager`; the reason a model runs eagerly is logged once."""
+        self.capture = None
+        compilation = self.config.compilation_config
+        if compilation.enforce_eager:
+            self.capture_reason = "--enforce-eager"
+            return
+        if self._model is None or not self.kv_caches:
+            self.capture_reason = "no model or KV cache"
+            return
+        library = panel_native.load_library() if self.device.type == "cpu" else None
+        self.capture, self.capture_reason = DecodeCapture.build(
+            library, self._model, self.kv_caches, compilation.capture_sizes,
+            backend=self.backend.name, tp_size=self.tp.world_size,
+            max_batch=self.config.scheduler_config.max_num_seqs)
+        if self.capture is not None:
+            info = self.capture.info
+            logger.info("decode step captured for batch sizes up to %d (%s weights) in %.3f s",
+                        self.capture.max_batch, "/".join(info.weight_formats), info.seconds)
+        else:
+            logger.info("decode steps run eagerly: %s", self.capture_reason)
 
     def release_kv_cache(self) -> None:
         """Drop the KV cache tensors and every request's state (sleep)."""
         self.kv_caches = []
+        self.capture = None
         self.table = self._new_table()
 
     def release_model(self) -> None:
         """Drop the weights (sleep level 2); `load_model` brings them back."""
         self._model = None
+        self.capture = None
 
     @torch.inference_mode()
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
@@ -156,7 +194,11 @@ class ModelRunner:
             count=len(req_ids),
         )
         inputs = prepare_inputs(self.table, req_ids, num_scheduled, self.device)
-        hidden = self.model.forward(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
+        if self.capture is not None and self.capture.accepts(inputs):
+            hidden = self.capture.run(inputs)
+        else:
+            hidden = self.model.forward(inputs.input_ids, inputs.positions, self.kv_caches,
+                                        inputs.meta)
         prompt_logprobs = compute_prompt_logprobs(
             hidden, inputs, self.table, self.model.compute_logits, self.model_config.vocab_size
         )

@@ -13,8 +13,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ringserve.gpu import panel_native
 from ringserve.gpu.linear import apply_linear, check_shape, repack
+from ringserve.gpu.panel_native import PanelWeight
 from ringserve.gpu.parallel import TPGroup
+from ringserve.gpu.quant import quantize
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -62,18 +65,39 @@ class ParallelLMHead(VocabParallelEmbedding):
     """The output projection to vocabulary logits, split like the embedding.
 
     With tied embeddings the model shares the embedding's weight with this head. On CPU the
-    head computes from a oneDNN-packed copy (`ringserve.gpu.linear.repack`; it is the
-    largest product of a decode step).
+    head computes from float32 panels (`ringserve.gpu.panel_native`), else from a
+    oneDNN-packed copy (`ringserve.gpu.linear.repack`): it is the largest product of a
+    decode step. With `quantization` it is quantized as the linear layers are (int8 / int4
+    panels, `ringserve.gpu.quant`), as llama.cpp quantizes its output matrix; a tied
+    embedding keeps its float rows for the lookups.
     """
 
     packed: torch.Tensor | None = None
+    panel: PanelWeight | None = None
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, *, tp: TPGroup,
+                 dtype: torch.dtype, quantization: str | None = None) -> None:
+        super().__init__(num_embeddings, embedding_dim, tp=tp, dtype=dtype)
+        self.quantization = quantization
 
     def process_weights_after_loading(self, *, keep_weight: bool) -> None:
         """Pack the loaded weight (once, after loading); drop the plain copy unless
         `keep_weight` (a tied head shares it with the embedding)."""
+        weight = self.weight
+        if self.quantization is not None:
+            self.panel = quantize(weight.data, self.quantization)
+        elif (weight.device.type == "cpu" and weight.dtype == torch.float32
+                and panel_native.load_library() is not None):
+            self.panel = panel_native.pack_f32(weight.data)
+        if self.panel is not None:
+            if not keep_weight:
+                self.weight = nn.Parameter(torch.empty(0, dtype=weight.dtype),
+                                           requires_grad=False)
+            return
         self.packed, self.weight = repack(self.weight, keep_weight=keep_weight)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits [N, vocab] (gathered from every rank) for hidden states [N, hidden]."""
-        logits = self.tp.all_gather_last_dim(apply_linear(hidden, self.weight, self.packed))
+        logits = self.tp.all_gather_last_dim(
+            apply_linear(hidden, self.weight, self.packed, panel=self.panel))
         return logits[..., : self.num_embeddings]

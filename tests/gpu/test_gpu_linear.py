@@ -1,5 +1,7 @@
-"""Weights repacked for oneDNN after loading (CPU, float32): same products as `F.linear`, the
-plain copy dropped, other dtypes left alone; and a loaded model runs on packed weights."""
+"""Weights repacked after loading (CPU, float32): into the project's panels (the C matmul
+library), or for oneDNN where the library cannot be built; the same products as `F.linear`
+(bias folded in), the plain copy dropped, other dtypes left alone; a loaded model runs on
+panels; and the panel kernel itself over row counts, widths and thread counts."""
 
 from __future__ import annotations
 
@@ -9,11 +11,30 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from ringserve.gpu import panel_native
 from ringserve.gpu.linear import ColumnParallelLinear, RowParallelLinear, pack_weight
 from ringserve.gpu.parallel import TPGroup
 from ringserve.gpu.vocab_embedding import ParallelLMHead
 
 needs_onednn = pytest.mark.skipif(not torch._C._has_mkldnn, reason="torch built without oneDNN")
+LIBRARY = panel_native.load_library()
+needs_library = pytest.mark.skipif(LIBRARY is None, reason="no C compiler with OpenMP")
+
+
+@pytest.fixture(params=["panels", "onednn"])
+def packing(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Run a test with the panel library, and again as if it could not be built."""
+    if request.param == "panels" and LIBRARY is None:
+        pytest.skip("no C compiler with OpenMP")
+    if request.param == "onednn":
+        if not torch._C._has_mkldnn:
+            pytest.skip("torch built without oneDNN")
+        monkeypatch.setattr(panel_native, "load_library", lambda: None)
+    return str(request.param)
+
+
+def _packed(layer: ColumnParallelLinear | RowParallelLinear | ParallelLMHead, packing: str) -> bool:
+    return (layer.panel is not None) if packing == "panels" else (layer.packed is not None)
 
 
 def _column(bias: bool, dtype: torch.dtype = torch.float32) -> tuple[ColumnParallelLinear, torch.Tensor]:
@@ -26,15 +47,14 @@ def _column(bias: bool, dtype: torch.dtype = torch.float32) -> tuple[ColumnParal
     return layer, full
 
 
-@needs_onednn
 @pytest.mark.parametrize("rows", [0, 1, 3, 32, 300])
 @pytest.mark.parametrize("bias", [False, True])
-def test_packed_column_linear_matches_f_linear(rows: int, bias: bool) -> None:
+def test_packed_column_linear_matches_f_linear(rows: int, bias: bool, packing: str) -> None:
     layer, full = _column(bias)
     x = torch.randn(rows, 32)
     want = layer.forward(x)
     layer.process_weights_after_loading()
-    assert layer.packed is not None and layer.weight.numel() == 0
+    assert _packed(layer, packing) and layer.weight.numel() == 0
     torch.testing.assert_close(layer.forward(x), want, atol=1e-5, rtol=1e-5)
     with torch.inference_mode():  # the model runner's mode
         torch.testing.assert_close(layer.forward(x), want, atol=1e-5, rtol=1e-5)
@@ -42,27 +62,28 @@ def test_packed_column_linear_matches_f_linear(rows: int, bias: bool) -> None:
         torch.testing.assert_close(want, F.linear(x, full, layer.bias))
 
 
-@needs_onednn
-def test_packed_row_linear_matches_f_linear() -> None:
-    layer = RowParallelLinear(64, 24, bias=True, tp=TPGroup(), dtype=torch.float32)
+@pytest.mark.parametrize("bias", [False, True])
+def test_packed_row_linear_matches_f_linear(bias: bool, packing: str) -> None:
+    layer = RowParallelLinear(64, 24, bias=bias, tp=TPGroup(), dtype=torch.float32)
     weight = torch.randn(24, 64)
     layer.load("weight", weight)
-    layer.load("bias", torch.ones(24))
+    if bias:
+        layer.load("bias", torch.ones(24))
     x = torch.randn(5, 128)[:, ::2]  # a strided input (the layout attention hands over)
     layer.process_weights_after_loading()
-    assert layer.packed is not None
-    torch.testing.assert_close(layer.forward(x), F.linear(x, weight) + 1, atol=1e-5, rtol=1e-5)
+    assert _packed(layer, packing)
+    want = F.linear(x, weight) + (1 if bias else 0)
+    torch.testing.assert_close(layer.forward(x), want, atol=1e-5, rtol=1e-5)
 
 
-@needs_onednn
 @pytest.mark.parametrize("tied", [False, True])
-def test_lm_head_packs_and_keeps_a_shared_weight(tied: bool) -> None:
+def test_lm_head_packs_and_keeps_a_shared_weight(tied: bool, packing: str) -> None:
     head = ParallelLMHead(100, 32, tp=TPGroup(), dtype=torch.float32)
     weight = torch.randn(100, 32)
     head.load("weight", weight)
     hidden = torch.randn(7, 32)
     head.process_weights_after_loading(keep_weight=tied)
-    assert head.packed is not None
+    assert _packed(head, packing)
     assert head.weight.numel() == (weight.numel() if tied else 0)
     torch.testing.assert_close(head.compute_logits(hidden), hidden @ weight.T, atol=1e-5, rtol=1e-5)
 
@@ -70,16 +91,38 @@ def test_lm_head_packs_and_keeps_a_shared_weight(tied: bool) -> None:
 def test_other_dtypes_keep_f_linear() -> None:
     layer, _ = _column(bias=False, dtype=torch.bfloat16)
     layer.process_weights_after_loading()
-    assert layer.packed is None and layer.weight.shape == (80, 32)
+    assert layer.packed is None and layer.panel is None and layer.weight.shape == (80, 32)
     assert pack_weight(torch.zeros(4, 4, dtype=torch.float64)) is None
 
 
-@needs_onednn
-def test_loaded_model_runs_on_packed_weights(tiny_llama_dir: Path) -> None:
+def test_loaded_model_runs_on_packed_weights(tiny_llama_dir: Path, packing: str) -> None:
     from gpu_helpers import make_runner
 
     runner = make_runner(tiny_llama_dir)
     layer = runner.model.model.layers[0]
-    assert layer.self_attn.qkv_proj.packed is not None  # type: ignore[union-attr]
-    assert layer.mlp.down_proj.packed is not None  # type: ignore[union-attr]
-    assert runner.model.lm_head.packed is not None
+    assert _packed(layer.self_attn.qkv_proj, packing)  # type: ignore[union-attr,arg-type]
+    assert _packed(layer.mlp.down_proj, packing)  # type: ignore[union-attr,arg-type]
+    assert _packed(runner.model.lm_head, packing)
+
+
+@needs_library
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("n,k", [(16, 8), (40, 96), (100, 576), (7, 33)])
+def test_panel_kernel_matches_f_linear(n: int, k: int, threads: int) -> None:
+    assert LIBRARY is not None
+    gen = torch.Generator().manual_seed(n * k)
+    weight, bias = torch.randn(n, k, generator=gen), torch.randn(n, generator=gen)
+    panels = panel_native.pack_f32(weight, bias)
+    assert panels.data.shape == (panel_native.num_panels(n), k, 16)
+    assert torch.equal(panel_native.unpack_f32(panels), weight)
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for rows in [*range(1, 14), 64, 97]:  # every tile height, several row blocks
+            x = torch.randn(rows, k, generator=gen)
+            got = panel_native.linear(LIBRARY, x, panels)
+            torch.testing.assert_close(got, F.linear(x, weight, bias), atol=1e-4, rtol=1e-5)
+    finally:
+        torch.set_num_threads(old)
+    with pytest.raises(ValueError, match="panel linear"):
+        panel_native.linear(LIBRARY, torch.randn(2, k + 1), panels)

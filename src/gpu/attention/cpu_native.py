@@ -39,6 +39,8 @@ from ringserve.gpu.attention.metadata import AttentionMetadata
 logger = logging.getLogger(__name__)
 
 _SOURCE = Path(__file__).with_name("cpu_decode.c")
+HEADERS = (Path(__file__).with_name("cpu_decode.h"),
+           Path(__file__).parent.parent / "fast_exp.h")
 _SYMBOL = "ringserve_paged_decode_f32"
 
 # The kernel's ctypes function: (pointers and sizes as in cpu_decode.c) -> status.
@@ -153,7 +155,9 @@ def _load(key: str) -> Kernel | None:
         return None
     try:
         library = native_build.build_library(_SOURCE, "cpu_decode", cc,
-                                             native_build.OPENMP_FLAGS, ["-lm"])
+                                             [*native_build.OPENMP_FLAGS,
+                                              f"-I{HEADERS[1].parent}"], ["-lm"],
+                                             headers=HEADERS)
     except (OSError, subprocess.SubprocessError) as exc:
         logger.warning("the CPU attention kernel is unavailable (%s): CPU attention uses "
                        "the torch reference", exc)

@@ -207,7 +207,8 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.spec = spec
         self.model: DecoderStack = self.build_model(spec, tp, backend)
-        self.lm_head = ParallelLMHead(spec.vocab_size, spec.hidden_size, tp=tp, dtype=spec.dtype)
+        self.lm_head = ParallelLMHead(spec.vocab_size, spec.hidden_size, tp=tp, dtype=spec.dtype,
+                                      quantization=spec.quantization)
         if spec.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 

@@ -39,8 +39,8 @@ class DecoderSpec:
         dtype: parameter and activation dtype.
         sliding_window: every layer attends to this many most recent positions only (Phi-3);
             None: full attention. Families with per-layer windows (Gemma) set it per layer.
-        quantization: the linear layers' weight-only quantization ("int8", "int4") or None;
-            the embedding and LM head stay float.
+        quantization: the weight-only quantization ("int8", "int4") of the linear layers
+            and the LM head, or None; the embedding stays float.
     """
 
     vocab_size: int

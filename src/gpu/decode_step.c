@@ -1,0 +1,200 @@
+/* The fused decode step: every decoder layer of a Llama-structured model (Llama, Mistral,
+ * Qwen2, Qwen3, Phi-3) for a batch of single-token decodes, in one call and one OpenMP
+ * parallel region (ringserve.gpu.decode_capture builds the tables and calls it).
+ *
+ * Built with panel_f32.c, panel_quant.c and attention/cpu_decode.c into one library
+ * (ringserve.gpu.panel_native). Eagerly, a decode step of the 135M-parameter model is ~15
+ * torch calls per layer, each with its dispatch, allocation and OpenMP fork/join; here the
+ * threads stay in one region, the phases are separated by barriers, and every activation
+ * lives in one preallocated work buffer that stays in cache. The arithmetic is the eager
+ * path's: the same panel matmuls (bias included), RMSNorm as x * rsqrt(mean(x^2) + eps) * w,
+ * rope by rotate-half from the same cos/sin table, the key and value written to the paged
+ * cache before the attention reads it (attention/cpu_decode.c's task function), SiLU(gate) *
+ * up; only float32 rounding order differs.
+ *
+ * Per layer: norm -> qkv -> (q/k norm), rope, KV write -> attention per (decode, kv head) ->
+ * o_proj -> residual add + norm -> gate_up -> SiLU * up -> down -> residual add + the next
+ * norm (the next layer's input norm, or the final norm into `out`).
+ */
+#include <math.h>
+#include <omp.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "cpu_decode.h"
+#include "fast_exp.h"
+#include "panel.h"
+
+typedef struct {
+    rs_weight qkv, o, gate_up, down;
+    const float *input_norm, *post_norm; /* [hidden] */
+    const float *q_norm, *k_norm;        /* [head_dim] (Qwen3), or NULL */
+    float *kv_cache;                     /* [2, num_slots, num_kv_heads, head_dim] */
+    int64_t window;                      /* sliding window, 0: full attention */
+} rs_layer;
+
+typedef struct {
+    int64_t num_layers, hidden, num_heads, num_kv_heads, head_dim, intermediate;
+    int64_t rotary_dim, max_position, num_slots, block_size, vocab;
+    float eps, scale;
+    const float *cos_sin;    /* [2, max_position, rotary_dim] */
+    const float *embedding;  /* [vocab, hidden] */
+    const float *final_norm; /* [hidden] */
+    const rs_layer *layers;
+} rs_model;
+
+typedef struct {
+    int64_t n;                                  /* decodes */
+    const int64_t *token_ids, *positions, *slots; /* [n] */
+    const int32_t *tables;                      /* [n, max_blocks] block ids */
+    int64_t max_blocks;
+    const int32_t *lens;                        /* [n] sequence lengths, the new token included */
+    int64_t max_len;
+    float *out;                                 /* [n, hidden] final normed hidden states */
+    float *work;                                /* rs_step_work_floats(model, n) floats */
+    int64_t nthreads;
+} rs_step;
+
+static int64_t qkv_width(const rs_model *m)
+{
+    return (m->num_heads + 2 * m->num_kv_heads) * m->head_dim;
+}
+
+/* Floats of work buffer a step of n decodes needs. */
+int64_t rs_step_work_floats(const rs_model *m, int64_t n)
+{
+    return n * (3 * m->hidden + qkv_width(m) + m->num_heads * m->head_dim
+                + 3 * m->intermediate);
+}
+
+static void rmsnorm(const float *x, const float *w, float *y, int64_t h, float eps)
+{
+    float ss = 0.f;
+#pragma omp simd reduction(+ : ss)
+    for (int64_t j = 0; j < h; j++)
+        ss += x[j] * x[j];
+    const float r = 1.f / sqrtf(ss / (float)h + eps);
+#pragma omp simd
+    for (int64_t j = 0; j < h; j++)
+        y[j] = x[j] * r * w[j];
+}
+
+/* Rotate the first rotary_dim channels of one head by rotate-half (cos, sin: its row). */
+static void rope(float *x, const float *cos, const float *sin, int64_t rotary_dim)
+{
+    const int64_t half = rotary_dim / 2;
+    for (int64_t j = 0; j < half; j++) {
+        const float a = x[j], b = x[j + half];
+        x[j] = a * cos[j] - b * sin[j];
+        x[j + half] = b * cos[j + half] + a * sin[j + half];
+    }
+}
+
+/* q/k norm, rope and the KV write of decode i (its row of the qkv buffer). */
+static void prepare_row(const rs_model *m, const rs_layer *layer, float *qkv, int64_t pos,
+                        int64_t slot)
+{
+    const int64_t d = m->head_dim, hq = m->num_heads, hkv = m->num_kv_heads;
+    const float *cos = m->cos_sin + pos * m->rotary_dim;
+    const float *sin = m->cos_sin + (m->max_position + pos) * m->rotary_dim;
+    for (int64_t h = 0; h < hq + hkv; h++) {
+        float *x = qkv + h * d;
+        const float *norm = h < hq ? layer->q_norm : layer->k_norm;
+        if (norm != NULL)
+            rmsnorm(x, norm, x, d, m->eps);
+        rope(x, cos, sin, m->rotary_dim);
+    }
+    float *keys = layer->kv_cache, *values = layer->kv_cache + m->num_slots * hkv * d;
+    memcpy(keys + slot * hkv * d, qkv + hq * d, sizeof(float) * (size_t)(hkv * d));
+    memcpy(values + slot * hkv * d, qkv + (hq + hkv) * d, sizeof(float) * (size_t)(hkv * d));
+}
+
+/* residual[i] += delta[i], then out[i] = rmsnorm(residual[i]) for the team's rows. */
+static void add_and_norm(const rs_model *m, int64_t n, float *residual, const float *delta,
+                         const float *norm, float *out)
+{
+    const int64_t hid = m->hidden;
+#pragma omp for schedule(static)
+    for (int64_t i = 0; i < n; i++) {
+        float *r = residual + i * hid;
+        for (int64_t j = 0; j < hid; j++)
+            r[j] += delta[i * hid + j];
+        rmsnorm(r, norm, out + i * hid, hid, m->eps);
+    }
+}
+
+static void layer_forward(const rs_model *m, const rs_layer *layer, const rs_step *s,
+                          const float *next_norm, float *next_out, float *residual,
+                          float *normed, float *tmp, float *qkv, float *attn, float *gu,
+                          float *act, float *scores)
+{
+    const int64_t n = s->n, hid = m->hidden, inter = m->intermediate;
+    const int64_t qw = qkv_width(m), aw = m->num_heads * m->head_dim;
+
+    rs_linear_team(&layer->qkv, normed, n, hid, qkv, qw);
+#pragma omp for schedule(static)
+    for (int64_t i = 0; i < n; i++)
+        prepare_row(m, layer, qkv + i * qw, s->positions[i], s->slots[i]);
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t t = 0; t < n * m->num_kv_heads; t++) {
+        const int64_t i = t / m->num_kv_heads;
+        rs_attend_group(qkv + i * qw, attn + i * aw, layer->kv_cache, m->num_slots,
+                        s->tables + i * s->max_blocks, s->lens[i], m->num_heads,
+                        m->num_kv_heads, m->head_dim, t % m->num_kv_heads, m->block_size,
+                        m->scale, layer->window, 0.f, scores);
+    }
+    rs_linear_team(&layer->o, attn, n, aw, tmp, hid);
+    add_and_norm(m, n, residual, tmp, layer->post_norm, normed);
+    rs_linear_team(&layer->gate_up, normed, n, hid, gu, 2 * inter);
+#pragma omp for schedule(static)
+    for (int64_t i = 0; i < n; i++) {
+        const float *g = gu + i * 2 * inter, *u = g + inter;
+        float *a = act + i * inter;
+#pragma omp simd
+        for (int64_t j = 0; j < inter; j++)
+            a[j] = g[j] / (1.f + rs_exp(-g[j])) * u[j];
+    }
+    rs_linear_team(&layer->down, act, n, inter, tmp, hid);
+    add_and_norm(m, n, residual, tmp, next_norm, next_out);
+}
+
+/* Runs the step. Returns 0; -1: a scratch buffer could not be allocated; -2: a token id,
+ * position or slot is out of range (nothing was computed or written). */
+int rs_decode_step(const rs_model *m, const rs_step *s)
+{
+    const int64_t n = s->n, hid = m->hidden;
+    for (int64_t i = 0; i < n; i++) {
+        if (s->token_ids[i] < 0 || s->token_ids[i] >= m->vocab || s->positions[i] < 0
+            || s->positions[i] >= m->max_position || s->slots[i] < 0
+            || s->slots[i] >= m->num_slots || s->lens[i] < 1 || s->lens[i] > s->max_len)
+            return -2;
+    }
+    const int64_t group = m->num_heads / m->num_kv_heads;
+    const int64_t per_thread = group * (s->max_len > 0 ? s->max_len : 1);
+    float *scores = malloc(sizeof(float) * (size_t)(per_thread * s->nthreads));
+    if (scores == NULL)
+        return -1;
+    float *residual = s->work, *normed = residual + n * hid, *tmp = normed + n * hid;
+    float *qkv = tmp + n * hid, *attn = qkv + n * qkv_width(m);
+    float *gu = attn + n * m->num_heads * m->head_dim, *act = gu + n * 2 * m->intermediate;
+
+#pragma omp parallel num_threads((int)s->nthreads)
+    {
+        float *mine = scores + per_thread * omp_get_thread_num();
+#pragma omp for schedule(static)
+        for (int64_t i = 0; i < n; i++) {
+            memcpy(residual + i * hid, m->embedding + s->token_ids[i] * hid,
+                   sizeof(float) * (size_t)hid);
+            rmsnorm(residual + i * hid, m->layers[0].input_norm, normed + i * hid, hid, m->eps);
+        }
+        for (int64_t l = 0; l < m->num_layers; l++) {
+            const int last = l == m->num_layers - 1;
+            layer_forward(m, &m->layers[l], s,
+                          last ? m->final_norm : m->layers[l + 1].input_norm,
+                          last ? s->out : normed, residual, normed, tmp, qkv, attn, gu, act,
+                          mine);
+        }
+    }
+    free(scores);
+    return 0;
+}

@@ -1,0 +1,185 @@
+"""The CPU matmul library: weights in panels of 16 output channels (`panel.h`), read by the
+float32 kernel (`panel_f32.c`), the int8 / int4 kernels (`panel_quant.c`) and the fused decode
+step (`decode_step.c`), which are built together into one shared object on first use.
+
+The linear layers (`ringserve.gpu.linear`, `ringserve.gpu.quant`) keep a `PanelWeight` instead
+of a plain or oneDNN-packed weight and call `linear`; the fused decode step
+(`ringserve.gpu.decode_capture`) hands the same weights to C. As the other C kernels
+(`ringserve.gpu.native_build`), the library is compiled with `$CC` (else `cc`) as
+`-O3 -march=native -fopenmp`, cached under `RINGSERVE_HOME/kernels/`, and runs on torch's
+OpenMP threads. When it cannot be built, `load_library` logs why once and returns None; the
+layers then keep torch's matmuls.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import subprocess
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from ringserve.gpu import native_build
+
+logger = logging.getLogger(__name__)
+
+_DIR = Path(__file__).parent
+SOURCES = (_DIR / "panel_f32.c", _DIR / "panel_quant.c", _DIR / "decode_step.c",
+           _DIR / "attention" / "cpu_decode.c")
+HEADERS = (_DIR / "panel.h", _DIR / "fast_exp.h", _DIR / "attention" / "cpu_decode.h")
+
+PANEL = 16  # output channels per panel (RS_PANEL)
+INT4_GROUP = 32  # inputs per int4 scale / min (RS_INT4_GROUP)
+FORMATS = {"f32": 0, "int8": 1, "int4": 2}
+
+_lock = threading.Lock()
+_loaded: list[ctypes.CDLL | None] = []
+
+
+class RsWeight(ctypes.Structure):
+    """`rs_weight` of panel.h."""
+
+    _fields_ = [
+        ("format", ctypes.c_int64), ("n", ctypes.c_int64), ("k", ctypes.c_int64),
+        ("data", ctypes.c_void_p), ("scales", ctypes.c_void_p), ("mins", ctypes.c_void_p),
+        ("bias", ctypes.c_void_p),
+    ]
+
+
+@dataclass(eq=False)
+class PanelWeight:
+    """A linear layer's weight in the panel layout (see panel.h), with its bias.
+
+    Attributes:
+        format: "f32", "int8" or "int4".
+        out_features, in_features: n and k of the logical [n, k] weight.
+        data: the panels (float32, int8 or uint8).
+        scales: int8: float32 [P * 16]; int4: float32 [P, k / 32, 16]; f32: None.
+        mins: int4: float32 [P, k / 32, 16]; otherwise None.
+        bias: float32 [n] or None.
+    """
+
+    format: str
+    out_features: int
+    in_features: int
+    data: torch.Tensor
+    scales: torch.Tensor | None = None
+    mins: torch.Tensor | None = None
+    bias: torch.Tensor | None = None
+
+    def __post_init__(self) -> None:
+        self._struct: RsWeight | None = None
+
+    @property
+    def struct(self) -> RsWeight:
+        """The C view (valid while this object, which holds the tensors, lives)."""
+        if self._struct is None:
+            self._struct = RsWeight(
+                FORMATS[self.format], self.out_features, self.in_features,
+                self.data.data_ptr(), _ptr(self.scales), _ptr(self.mins), _ptr(self.bias))
+        return self._struct
+
+    def with_bias(self, bias: torch.Tensor | None) -> PanelWeight:
+        """The same panels with `bias` (float32 [n], contiguous) added by the kernel."""
+        if bias is not None:
+            bias = bias.detach().float().contiguous()
+        return PanelWeight(self.format, self.out_features, self.in_features, self.data,
+                           self.scales, self.mins, bias)
+
+    def nbytes(self) -> int:
+        """Bytes of the panels, scales and mins (what a matmul reads)."""
+        return sum(t.numel() * t.element_size()
+                   for t in (self.data, self.scales, self.mins) if t is not None)
+
+
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+def num_panels(n: int) -> int:
+    """Panels of 16 channels that hold `n` outputs."""
+    return -(-n // PANEL)
+
+
+def to_panels(matrix: torch.Tensor) -> torch.Tensor:
+    """[n, k] -> [P, k, 16] (rows padded with zeros to a multiple of 16), contiguous."""
+    n, k = matrix.shape
+    padded = torch.zeros(num_panels(n) * PANEL, k, dtype=matrix.dtype)
+    padded[:n] = matrix
+    return padded.view(-1, PANEL, k).transpose(1, 2).contiguous()
+
+
+def pack_f32(weight: torch.Tensor, bias: torch.Tensor | None = None) -> PanelWeight:
+    """The float32 panels of a float `[n, k]` CPU weight."""
+    n, k = weight.shape
+    data = to_panels(weight.detach().float())
+    return PanelWeight("f32", n, k, data).with_bias(bias)
+
+
+def unpack_f32(weight: PanelWeight) -> torch.Tensor:
+    """The plain float32 `[n, k]` weight back from its panels (tests, and a tied embedding)."""
+    p, k, _ = weight.data.shape
+    return weight.data.transpose(1, 2).reshape(p * PANEL, k)[: weight.out_features]
+
+
+def linear(library: ctypes.CDLL, x: torch.Tensor, weight: PanelWeight) -> torch.Tensor:
+    """`x @ W^T + bias` for float32 `x` [..., k], on torch's thread count.
+
+    Raises:
+        ValueError: x is not float32 with k features.
+    """
+    k = weight.in_features
+    if x.dtype != torch.float32 or x.shape[-1] != k:
+        raise ValueError(f"panel linear: x {x.dtype} {list(x.shape)} for a weight of "
+                         f"{weight.out_features} x {k}")
+    rows = x.reshape(-1, k)
+    if not rows.is_contiguous():
+        rows = rows.contiguous()
+    out = torch.empty(rows.shape[0], weight.out_features, dtype=torch.float32)
+    if rows.shape[0]:
+        library.rs_linear(ctypes.byref(weight.struct), rows.data_ptr(), rows.shape[0],
+                          out.data_ptr(), torch.get_num_threads())
+    return out.reshape(*x.shape[:-1], weight.out_features)
+
+
+def load_library() -> ctypes.CDLL | None:
+    """The compiled library (built and cached on first use), or None when it cannot be had."""
+    with _lock:
+        if not _loaded:
+            _loaded.append(_load())
+        return _loaded[0]
+
+
+def _load() -> ctypes.CDLL | None:
+    cc = native_build.compiler()
+    if cc is None:
+        logger.warning("no C compiler (CC or cc): CPU matmuls use torch's kernels")
+        return None
+    start = time.perf_counter()
+    try:
+        library = native_build.build_library(SOURCES, "panel", cc, native_build.OPENMP_FLAGS,
+                                             ["-lm"], headers=HEADERS)
+    except (OSError, subprocess.SubprocessError) as exc:
+        logger.warning("the CPU matmul library is unavailable (%s): CPU matmuls use torch's "
+                       "kernels", exc)
+        return None
+    logger.info("CPU matmul and decode-step library %s ready in %.2f s (built on first use, "
+                "then cached)", library._name, time.perf_counter() - start)
+    i64, ptr = ctypes.c_int64, ctypes.c_void_p
+    library.rs_linear.argtypes = [ptr, ptr, i64, ptr, ctypes.c_int]
+    library.rs_linear.restype = ctypes.c_int
+    _declare_step(library)
+    return library
+
+
+def _declare_step(library: ctypes.CDLL) -> None:
+    """The fused decode step's signature (decode_step.c)."""
+    ptr = ctypes.c_void_p
+    library.rs_decode_step.argtypes = [ptr, ptr]
+    library.rs_decode_step.restype = ctypes.c_int
+    library.rs_step_work_floats.argtypes = [ptr, ctypes.c_int64]
+    library.rs_step_work_floats.restype = ctypes.c_int64
