@@ -438,7 +438,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     os.environ.setdefault("OMP_NUM_THREADS", str(args.threads))  # the engine's core process
     batches = [int(b) for b in args.batches.split(",")]
-    max_len = args.prompt_len + 1 + args.runs * 2 * (args.warmup + args.steps) + 16
+    max_len = args.prompt_len + 1 + args.runs * 3 * (args.warmup + args.steps) + 16
     bandwidth = read_bandwidth()
     for line in header(args, bandwidth):
         print(line)
