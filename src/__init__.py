@@ -10,7 +10,13 @@ from ringserve.engine.arg_utils import EngineArgs
 from ringserve.engine.async_llm import AsyncLLM
 from ringserve.engine.llm import LLM
 from ringserve.engine.llm_engine import LLMEngine
-from ringserve.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from ringserve.outputs import (
+    CompletionOutput,
+    Logprob,
+    RequestMetrics,
+    RequestOutput,
+    WeightVersionSpan,
+)
 from ringserve.sampling_params import (
     RequestOutputKind,
     SamplingParams,
@@ -33,5 +39,6 @@ __all__ = [
     "SamplingParams",
     "SamplingType",
     "StructuredOutputsParams",
+    "WeightVersionSpan",
     "__version__",
 ]

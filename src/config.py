@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from ringserve.weight_transfer.config import WeightTransferConfig
+
 DType = Literal["float32", "bfloat16", "float16"]
 Device = Literal["cpu", "cuda"]
 ExecutorBackend = Literal["uni", "mp", "ray"]
@@ -345,3 +347,7 @@ class EngineConfig:
     frontend_config: FrontendConfig
     structured_outputs_config: StructuredOutputsConfig = StructuredOutputsConfig()
     compilation_config: CompilationConfig = CompilationConfig()
+    # Weights from a trainer (`--weight-transfer-config`; None: off) and how long one phase of
+    # an update may wait for the trainer (`--weight-transfer-timeout-s`).
+    weight_transfer_config: WeightTransferConfig | None = None
+    weight_transfer_timeout_s: float = 60.0

@@ -7,7 +7,7 @@ follows vLLM's so that code reading `out.outputs[0].text` keeps working.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 # One position's log-probabilities: token id -> (logprob, rank, decoded token or None).
 PositionLogprobs = dict[int, "Logprob"]
@@ -34,6 +34,20 @@ class RequestMetrics:
     num_generation_tokens: int = 0
 
 
+@dataclass(slots=True, frozen=True)
+class WeightVersionSpan:
+    """The weight version a run of a sequence's tokens was generated with.
+
+    Attributes:
+        version: the version set by `finish_weight_update` (None: the start-up weights).
+        start: the index in the sequence's generated tokens (cumulative, also for DELTA
+            outputs) of the first token generated with it.
+    """
+
+    version: str | None
+    start: int
+
+
 @dataclass(slots=True)
 class CompletionOutput:
     """One of the `n` sequences generated for a request.
@@ -46,6 +60,8 @@ class CompletionOutput:
         logprobs: per generated position, the top candidates, when asked for.
         finish_reason: "stop", "length", "abort", "error" or "repetition"; None while running.
         stop_reason: the stop string or stop token id that ended the sequence, if any.
+        weight_versions: the weight versions of its tokens so far, in order (a sequence kept
+            across a weight update has two or more); empty before the first token.
     """
 
     index: int
@@ -55,6 +71,12 @@ class CompletionOutput:
     logprobs: list[PositionLogprobs] | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    weight_versions: list[WeightVersionSpan] = field(default_factory=list)
+
+    @property
+    def weight_version(self) -> str | None:
+        """The version of the latest tokens (None: the start-up weights, or no token yet)."""
+        return self.weight_versions[-1].version if self.weight_versions else None
 
     def finished(self) -> bool:
         """True once the sequence has a finish reason."""

@@ -39,6 +39,7 @@ from ringserve.engine.flag_values import (
     parse_bytes,
     quantization_method,
 )
+from ringserve.weight_transfer.config import WeightTransferConfig, parse_weight_transfer_config
 
 __all__ = ["DEMO_MODEL", "EngineArgs", "human_readable_int", "human_readable_int_or_auto",
            "parse_bytes", "quantization_method"]
@@ -95,6 +96,8 @@ class EngineArgs:
     quantization: str | None = None
     enforce_eager: bool = False
     cuda_graph_sizes: tuple[int, ...] | list[int] | None = None
+    weight_transfer_config: str | dict[str, Any] | None = None
+    weight_transfer_timeout_s: float = 60.0
 
     # -- CLI -------------------------------------------------------------------------------
 
@@ -190,7 +193,22 @@ class EngineArgs:
             ),
             structured_outputs_config=self._structured_outputs_config(),
             compilation_config=self._compilation_config(),
+            weight_transfer_config=self._weight_transfer_config(),
+            weight_transfer_timeout_s=self._weight_transfer_timeout(),
         )
+
+    def _weight_transfer_config(self) -> WeightTransferConfig | None:
+        try:
+            return parse_weight_transfer_config(self.weight_transfer_config)
+        except ValueError as exc:
+            raise _fail("weight_transfer_config", self.weight_transfer_config,
+                        f'a JSON object such as {{"backend": "shm"}} ({exc})') from None
+
+    def _weight_transfer_timeout(self) -> float:
+        timeout = self.weight_transfer_timeout_s
+        if not isinstance(timeout, int | float) or not 0 < timeout <= 86400:
+            raise _fail("weight_transfer_timeout_s", timeout, "seconds, > 0 and <= 86400")
+        return float(timeout)
 
     def _compilation_config(self) -> CompilationConfig:
         sizes = self.cuda_graph_sizes
@@ -456,6 +474,11 @@ _FLAG_SPECS: tuple[_FlagSpec, ...] = (
     _FlagSpec("cuda_graph_sizes", "the decode batch sizes that get a captured step (on CPU "
               "the fused C step, which runs any batch up to the largest; default 1 2 4 8 16 "
               "... 512)", int, nargs="+"),
+    _FlagSpec("weight_transfer_config", "receive weights from an RL trainer, as JSON: "
+              '{"backend": "shm" (same host), "gloo" (CPU, any host) or "nccl"} '
+              "(ringserve.weight_transfer)", str),
+    _FlagSpec("weight_transfer_timeout_s", "a weight-update phase that waits longer than this "
+              "for the trainer fails (the old weights keep serving)", float),
     _FlagSpec("override_generation_config", "JSON object over the generation config, e.g. "
               "'{\"temperature\": 0.5}'", str),
 )

@@ -51,6 +51,7 @@ from ringserve.engine.metrics.metrics_reader import Metric
 from ringserve.engine.metrics.stat_loggers import StatLoggerFactory, StatLoggerManager
 from ringserve.engine.metrics.stats import IterationStats
 from ringserve.engine.output_processor import OutputProcessor
+from ringserve.engine.rl_api import AsyncRLMethods
 from ringserve.engine.wire import FAULT_INSTRUCTION_METHOD, EngineCoreRequest
 from ringserve.outputs import RequestOutput
 from ringserve.sampling_params import SamplingParams, default_sampling_params
@@ -61,7 +62,7 @@ logger = logging.getLogger(__name__)
 _INLINE_TOKENIZE_CHARS = 2048
 
 
-class AsyncLLM:
+class AsyncLLM(AsyncRLMethods):
     """An async engine for serving.
 
     Args:
@@ -230,7 +231,8 @@ class AsyncLLM:
                     # already queued, so without this a backlog would be folded in one go.
                     await trio.lowlevel.checkpoint()
                     processed = processor.process_outputs(outputs[start:start + chunk],
-                                                          batch.timestamp, iteration_stats)
+                                                          batch.timestamp, iteration_stats,
+                                                          batch.weight_version)
                     if processed.reqs_to_abort:
                         await client.abort_requests(processed.reqs_to_abort)
                     for out in outputs[start:start + chunk]:

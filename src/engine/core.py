@@ -24,6 +24,7 @@ from ringserve.config import EngineConfig
 from ringserve.engine.metrics.flops import ModelFlops
 from ringserve.engine.sched.scheduler import Scheduler
 from ringserve.engine.structured.manager import AllowAll, StructuredOutputManager
+from ringserve.engine.weight_sync import WEIGHT_SYNC_UTILITIES, WeightSyncMixin
 from ringserve.engine.wire import (
     EngineCoreOutput,
     EngineCoreOutputs,
@@ -31,6 +32,7 @@ from ringserve.engine.wire import (
     FinishReason,
     SchedulerStats,
 )
+from ringserve.gpu import weight_snapshot
 from ringserve.gpu.executor.base import Executor
 from ringserve.gpu.executor.errors import WorkerTimeoutError
 from ringserve.gpu.wire import GrammarOutput, ModelRunnerOutput, SchedulerOutput
@@ -45,11 +47,11 @@ _FINISHED = AllowAll()
 UTILITY_METHODS = frozenset({
     "sleep", "wake_up", "is_sleeping",
     "get_step_timings", "get_weight_version", "set_weight_version", "pause", "resume", "is_paused",
-    "reset_prefix_cache", "get_stats", "get_num_blocks", "ping",
+    "reset_prefix_cache", "get_stats", "get_num_blocks", "ping", *WEIGHT_SYNC_UTILITIES,
 })
 
 
-class EngineCore:
+class EngineCore(WeightSyncMixin):
     """Scheduler + executor for one engine (one data-parallel rank).
 
     Args:
@@ -72,6 +74,8 @@ class EngineCore:
     ) -> None:
         self.config = config
         self.engine_index = engine_index
+        if config.weight_transfer_config is not None:
+            weight_snapshot.cleanup_stale()  # left by cores that were killed
         # Grammars compile on its threads; `wake` rouses an idle busy loop when one is done.
         self.structured = StructuredOutputManager(config, wake)
         # A submitted step whose bitmask waits for the step before it (async scheduling).
@@ -88,6 +92,11 @@ class EngineCore:
         self.timings["steps"] = 0.0
         self._timings_since = time.perf_counter()
         self.weight_version: str | None = None
+        # Outputs of steps drained by a utility (a weight swap), sent by the next step call.
+        self._stashed: list[dict[int, EngineCoreOutputs]] = []
+        self._update_open = False  # a weight-update round is open (ringserve.engine.weight_sync)
+        self._round_snapshot = False
+        self._snapshot_current = False
         self.pause_mode: PauseMode | None = None
         self._held: list[EngineCoreRequest] = []  # requests that arrived while paused/asleep
         self.sleep_level = 0
@@ -96,9 +105,11 @@ class EngineCore:
         self.flops = (ModelFlops.from_config(config)
                       if obs.enable_mfu_metrics and not obs.disable_log_stats else None)
 
-    def _build_executor(self, num_blocks: int | None) -> tuple[Executor, int]:
-        """Start an executor and allocate its KV cache (`num_blocks`, or as many as fit)."""
-        config = self.config
+    def _build_executor(self, num_blocks: int | None,
+                        config: EngineConfig | None = None) -> tuple[Executor, int]:
+        """Start an executor (with `config`, default the engine's) and allocate its KV cache
+        (`num_blocks`, or as many as fit)."""
+        config = config or self.config
         executor = self._executor_class(config)
         try:
             fit = executor.determine_num_blocks()
@@ -156,11 +167,16 @@ class EngineCore:
         self.batch_queue.clear()
         self._grammar_pending = None
         self.executor.shutdown()
-        self.executor, _ = self._build_executor(self.num_blocks)
+        # New workers load the last complete weights from a trainer when a snapshot holds
+        # them (ringserve.gpu.weight_snapshot), else the start-up checkpoint.
+        config, version = self.restart_config()
+        self.executor, _ = self._build_executor(self.num_blocks, config)
         self.scheduler = self._build_scheduler()
         self.pause_mode = None
         self.sleep_level = 0
         self._held = []
+        self.weight_version = version
+        self._update_open = False
 
     # -- requests ------------------------------------------------------------------------------
 
@@ -197,19 +213,21 @@ class EngineCore:
         """True while there is something to schedule, in flight, or to report."""
         # Finished ids for the workers count only while scheduling is allowed (they go out
         # with the next step; `_may_schedule` covers them): paused, they wait, not spin.
-        return (self._may_schedule() or bool(self.batch_queue)
+        return (self._may_schedule() or bool(self.batch_queue) or bool(self._stashed)
                 or self.scheduler.has_pending_outputs())
 
     # -- steps ---------------------------------------------------------------------------------
 
     def step(self) -> tuple[dict[int, EngineCoreOutputs], bool]:
         """One synchronous step; returns (outputs per client, whether the model ran)."""
+        if self._stashed:
+            return self._stashed.pop(0), False
         if not self._may_schedule():
-            return self.scheduler.take_pending_outputs(), False
+            return self._stamp(self.scheduler.take_pending_outputs()), False
         timings, t0 = self.timings, time.perf_counter()
         scheduler_output = self._schedule()
         if not _worth_sending(scheduler_output):
-            return self.scheduler.take_pending_outputs(), False
+            return self._stamp(self.scheduler.take_pending_outputs()), False
         t1 = time.perf_counter()
         future = self.executor.execute_model(scheduler_output, non_block=True)
         if scheduler_output.grammar_req_ids:
@@ -221,7 +239,15 @@ class EngineCore:
         timings["execute"] += t2 - t1
         timings["update"] += time.perf_counter() - t2
         timings["steps"] += 1
-        return outputs, True
+        return self._stamp(outputs), True
+
+    def _stamp(self, outputs: dict[int, EngineCoreOutputs]) -> dict[int, EngineCoreOutputs]:
+        """Mark each batch with the weight version its tokens were generated with."""
+        version = self.weight_version
+        if version is not None:
+            for batch in outputs.values():
+                batch.weight_version = version
+        return outputs
 
     def _schedule(self) -> SchedulerOutput:
         scheduler_output = self.scheduler.schedule()
@@ -235,6 +261,8 @@ class EngineCore:
         Returns (None, True) when a step was submitted and the queue is not full yet, so the
         caller can take new requests before waiting for the oldest step.
         """
+        if self._stashed:
+            return self._stashed.pop(0), False
         queue, timings = self.batch_queue, self.timings
         submitted = False
         if len(queue) < self.batch_queue_size and self._may_schedule():
@@ -253,7 +281,7 @@ class EngineCore:
                 if len(queue) < self.batch_queue_size and not queue[-1][0].done():
                     return None, True
         if not queue:
-            return self.scheduler.take_pending_outputs(), submitted
+            return self._stamp(self.scheduler.take_pending_outputs()), submitted
         future, scheduler_output = queue.pop()
         t1 = time.perf_counter()
         model_output = self._result(future)
@@ -263,7 +291,7 @@ class EngineCore:
         timings["execute"] += t2 - t1
         timings["update"] += time.perf_counter() - t2
         timings["steps"] += 1
-        return outputs, True
+        return self._stamp(outputs), True
 
     def _result(self, future: Future[ModelRunnerOutput]) -> ModelRunnerOutput:
         """A step's output; waiting longer than `execute_model_timeout_s` is a fault.
@@ -331,7 +359,7 @@ class EngineCore:
                     merged[client].outputs.extend(outs.outputs)
                 else:
                     merged[client] = outs
-        return merged
+        return self._stamp(merged)
 
     # -- utilities -----------------------------------------------------------------------------
 
@@ -421,7 +449,7 @@ class EngineCore:
             timeout = self.step_timeout
             if timeout is not None and self.sleep_level == 2:
                 timeout = max(timeout, envs.engine_ready_timeout_s())
-            self._worker_call("wake_up", (), timeout)
+            self._worker_call("wake_up", (self.served_weights_path(),), timeout)
         self.sleep_level = 0
         self._release_held()
 
@@ -452,6 +480,7 @@ class EngineCore:
         self._grammar_pending = None
         self.executor.shutdown()
         self.structured.shutdown()
+        self.remove_snapshot()
 
 
 def _worth_sending(scheduler_output: SchedulerOutput) -> bool:

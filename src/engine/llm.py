@@ -24,12 +24,14 @@ import weakref
 from collections.abc import Sequence
 from typing import Any
 
+from ringserve.config import EngineConfig
 from ringserve.engine.arg_utils import DEMO_MODEL, EngineArgs
 from ringserve.engine.errors import EngineDeadError
 from ringserve.engine.fault_tolerance import check_instruction
 from ringserve.engine.input_processor import PromptType, TokensPrompt
 from ringserve.engine.llm_engine import LLMEngine
 from ringserve.engine.metrics.metrics_reader import Metric
+from ringserve.engine.rl_api import SyncRLMethods
 from ringserve.engine.wire import FAULT_INSTRUCTION_METHOD
 from ringserve.outputs import RequestOutput
 from ringserve.sampling_params import RequestOutputKind, SamplingParams, default_sampling_params
@@ -38,7 +40,7 @@ ChatMessage = dict[str, Any]
 Conversation = list[ChatMessage]
 
 
-class LLM:
+class LLM(SyncRLMethods):
     """An offline engine for batch generation.
 
     Args:
@@ -78,6 +80,12 @@ class LLM:
         """The SamplingParams `generate` uses when given none: the model's generation config
         (`--generation-config`, as vLLM does), else SamplingParams' own defaults."""
         return default_sampling_params(self.llm_engine.config.model_config.generation_defaults)
+
+    def _utility(self, method: str, *args: Any) -> Any:
+        return self.llm_engine.call_utility(method, *args)
+
+    def _config(self) -> EngineConfig:
+        return self.llm_engine.config
 
     def sleep(self, level: int = 1) -> None:
         """Free memory while idle: level 1 the KV cache, level 2 also the weights."""

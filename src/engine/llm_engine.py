@@ -124,7 +124,7 @@ class LLMEngine:
         stat_loggers = self.stat_loggers
         iteration_stats = IterationStats() if stat_loggers is not None else None
         processed = self.output_processor.process_outputs(outputs.outputs, outputs.timestamp,
-                                                          iteration_stats)
+                                                          iteration_stats, outputs.weight_version)
         if processed.reqs_to_abort:
             self.engine_core.abort_requests(processed.reqs_to_abort)
         if stat_loggers is not None:

@@ -21,7 +21,7 @@ from ringserve.engine.logprobs import LogprobsAccumulator
 from ringserve.engine.metrics.stats import IterationStats, RequestStateStats
 from ringserve.engine.parent_request import ParentRequest
 from ringserve.engine.wire import EngineCoreOutput, EngineCoreRequest, FinishReason
-from ringserve.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from ringserve.outputs import CompletionOutput, RequestMetrics, RequestOutput, WeightVersionSpan
 from ringserve.sampling_params import RequestOutputKind
 
 
@@ -62,12 +62,18 @@ class RequestState:
         self.finish_reason: FinishReason | None = None
         self.stop_reason: int | str | None = None
         self.prefilling = True  # until the first token (admission: queued prompt tokens)
+        self.weight_versions: list[WeightVersionSpan] = []
         self._sent_prompt_logprobs = False
 
-    def apply(self, out: EngineCoreOutput) -> bool:
-        """Fold one core output in; returns True if a stop string ended the request here."""
+    def apply(self, out: EngineCoreOutput, weight_version: str | None = None) -> bool:
+        """Fold one core output in (its tokens generated with `weight_version`); returns True
+        if a stop string ended the request here."""
         now = time.time()
         if out.new_token_ids:
+            spans = self.weight_versions
+            if not spans or spans[-1].version != weight_version:
+                spans.append(WeightVersionSpan(weight_version,
+                                               self.metrics.num_generation_tokens))
             if self.metrics.first_token_time is None:
                 self.metrics.first_token_time = now
             self.metrics.last_token_time = now
@@ -119,6 +125,7 @@ class RequestState:
             logprobs=logprobs,
             finish_reason=str(self.finish_reason) if self.finish_reason is not None else None,
             stop_reason=self.stop_reason,
+            weight_versions=list(self.weight_versions),
         )
 
     def prompt_logprobs_for_output(self) -> Any:
@@ -287,6 +294,7 @@ class OutputProcessor:
         outputs: list[EngineCoreOutput],
         engine_core_timestamp: float = 0.0,
         iteration_stats: IterationStats | None = None,
+        weight_version: str | None = None,
     ) -> ProcessedOutputs:
         """Fold one batch of core outputs into request states and build RequestOutputs.
 
@@ -297,6 +305,7 @@ class OutputProcessor:
             outputs: the batch (or a chunk of it).
             engine_core_timestamp: the batch's `EngineCoreOutputs.timestamp` (token times).
             iteration_stats: filled with this batch's token counts and latencies, when given.
+            weight_version: the batch's `EngineCoreOutputs.weight_version`.
         """
         result = ProcessedOutputs()
         for out in outputs:
@@ -307,7 +316,7 @@ class OutputProcessor:
                 iteration_stats.update_from_output(
                     len(out.new_token_ids), out.events, engine_core_timestamp, state.prefilling,
                     len(state.prompt_token_ids), state.stats)
-            if state.apply(out):
+            if state.apply(out, weight_version):
                 result.reqs_to_abort.append(out.request_id)
             if out.new_token_ids:
                 self._end_prefill(state)

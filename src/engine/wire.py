@@ -228,6 +228,8 @@ class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True, gc=
         utility_output: the answer to a utility call (then `outputs` is usually empty).
         finished_requests: ids finished in the core this step (for clients that track them).
         fault_status: the core's fault-tolerance state, sent when it changes.
+        weight_version: the weight version the batch's tokens were generated with (None:
+            the start-up weights, or no version set).
     """
 
     engine_index: int = 0
@@ -238,3 +240,4 @@ class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True, gc=
     finished_requests: list[str] | None = None
     # Appended fields (array_like: order is the wire format; only append at the end).
     fault_status: FaultStatus | None = None
+    weight_version: str | None = None

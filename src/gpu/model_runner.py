@@ -18,6 +18,7 @@ both get a message in `request_errors` for this step; the rest of the batch goes
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass
 from typing import Any
@@ -114,11 +115,14 @@ class ModelRunner:
             raise RuntimeError("ModelRunner.load_model() must run before the model is used")
         return self._model
 
-    def load_model(self) -> None:
-        """Build the model and load its weights (see `ringserve.gpu.loader`)."""
-        self._model = load_model(
-            self.model_config, tp=self.tp, device=self.device, backend=self.backend
-        )
+    def load_model(self, weights_path: str | None = None) -> None:
+        """Build the model and load its weights (see `ringserve.gpu.loader`): from the
+        checkpoint, or from `weights_path` (a safetensors directory) when given."""
+        config = self.model_config
+        if weights_path is not None:
+            config = dataclasses.replace(config, load_format="safetensors",
+                                         weights_path=weights_path)
+        self._model = load_model(config, tp=self.tp, device=self.device, backend=self.backend)
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         """Allocate `num_blocks` KV blocks per layer (layout: `ringserve.gpu.kv_cache`), and
@@ -148,6 +152,15 @@ class ModelRunner:
                         self.capture.max_batch, "/".join(info.weight_formats), info.seconds)
         else:
             logger.info("decode steps run eagerly: %s", self.capture_reason)
+
+    def swap_model(self, model: LlamaForCausalLM) -> None:
+        """Serve `model` (loaded and post-processed) from the next step on: new weights from
+        a trainer (`ringserve.gpu.weight_update`). The KV cache and the request table stay;
+        the engine core has the requests recompute their KV. The decode step is captured
+        again over the new weights."""
+        self._model = model
+        self._awaiting_grammar = None
+        self.capture_decode()
 
     def release_kv_cache(self) -> None:
         """Drop the KV cache tensors and every request's state (sleep)."""

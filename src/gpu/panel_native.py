@@ -106,11 +106,20 @@ def num_panels(n: int) -> int:
 
 
 def to_panels(matrix: torch.Tensor) -> torch.Tensor:
-    """[n, k] -> [P, k, 16] (rows padded with zeros to a multiple of 16), contiguous."""
+    """[n, k] -> [P, k, 16] (rows padded with zeros to a multiple of 16), contiguous.
+
+    One strided copy of the full panels (the pack of a weight update or a load reads the
+    weight once), plus the zero-padded last panel when n is not a multiple of 16."""
     n, k = matrix.shape
-    padded = torch.zeros(num_panels(n) * PANEL, k, dtype=matrix.dtype)
-    padded[:n] = matrix
-    return padded.view(-1, PANEL, k).transpose(1, 2).contiguous()
+    full = n // PANEL
+    out = torch.empty(num_panels(n), k, PANEL, dtype=matrix.dtype)
+    if full:
+        out[:full].copy_(matrix[: full * PANEL].view(full, PANEL, k).transpose(1, 2))
+    if n % PANEL:
+        tail = torch.zeros(PANEL, k, dtype=matrix.dtype)
+        tail[: n % PANEL] = matrix[full * PANEL:]
+        out[full].copy_(tail.t())
+    return out
 
 
 def pack_f32(weight: torch.Tensor, bias: torch.Tensor | None = None) -> PanelWeight:

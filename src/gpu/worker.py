@@ -13,6 +13,9 @@ cache gets `DEFAULT_CPU_KV_CACHE_BYTES`.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import numpy as np
 import torch
 
@@ -21,6 +24,7 @@ from ringserve.gpu.attention.backend import BackendName
 from ringserve.gpu.input_prep import prepare_inputs
 from ringserve.gpu.model_runner import ModelRunner
 from ringserve.gpu.parallel import TPGroup, init_tp_group
+from ringserve.gpu.weight_update import WeightUpdateError, WeightUpdater, weight_checksum
 from ringserve.gpu.wire import GrammarOutput, ModelRunnerOutput, NewRequestData, SchedulerOutput
 from ringserve.sampling_params import SamplingParams
 
@@ -57,6 +61,7 @@ class Worker:
         self._runner: ModelRunner | None = None
         self._num_blocks = 0
         self._sleep_level = 0
+        self._updater: WeightUpdater | None = None
 
     @property
     def runner(self) -> ModelRunner:
@@ -131,10 +136,11 @@ class Worker:
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
 
-    def wake_up(self) -> None:
-        """Undo `sleep`: reload the weights (level 2) and reallocate the KV cache."""
+    def wake_up(self, weights_path: str | None = None) -> None:
+        """Undo `sleep`: reload the weights (level 2: from `weights_path`, a safetensors
+        directory, when given: the last weights a trainer sent) and reallocate the KV cache."""
         if self._sleep_level == 2:
-            self.runner.load_model()
+            self.runner.load_model(weights_path)
         if self._sleep_level:
             self.runner.initialize_kv_cache(self._num_blocks)
         self._sleep_level = 0
@@ -143,6 +149,61 @@ class Worker:
     def sleep_level(self) -> int:
         """0 awake, 1 without KV cache, 2 without KV cache and weights."""
         return self._sleep_level
+
+    # -- weights from a trainer (ringserve.gpu.weight_update) --------------------------------
+    # Each returns [error or None, value]: a refused or failed update is the caller's error,
+    # not an engine fault (a raising worker method is one), and leaves the old weights serving.
+
+    @property
+    def updater(self) -> WeightUpdater:
+        """The weight-update state (made on first use)."""
+        if self._updater is None:
+            runner = self.runner
+            self._updater = WeightUpdater(self.config, self.tp, self.device, runner.backend,
+                                          runner.swap_model)
+        return self._updater
+
+    def init_weight_transfer_engine(self, init_info: dict[str, Any], worker_index: int,
+                                    num_workers: int) -> list[Any]:
+        """Open the transport to the trainer (`WeightUpdater.init`)."""
+        return _guard(lambda: self.updater.init(init_info, worker_index, num_workers))
+
+    def start_weight_update(self, metadata: dict[str, Any] | None,
+                            snapshot: str | None = None) -> list[Any]:
+        """Begin a round (`WeightUpdater.start`)."""
+        if self._sleep_level == 2:
+            return [f"{WeightUpdateError.__name__}: the weights are released (sleep level 2); "
+                    "wake_up first", None]
+        return _guard(lambda: self.updater.start(metadata, snapshot))
+
+    def update_weights(self, update_info: dict[str, Any]) -> list[Any]:
+        """Receive and load one bucket (`WeightUpdater.update`); value: tensors loaded."""
+        return _guard(lambda: self.updater.update(update_info))
+
+    def finish_weight_update(self) -> list[Any]:
+        """Swap the round's weights in (`WeightUpdater.finish`); value: tensors loaded."""
+        return _guard(self.updater.finish)
+
+    def abort_weight_update(self) -> None:
+        """Abandon the open round, if any."""
+        if self._updater is not None:
+            self._updater.abort()
+
+    # -- read-only calls open to `collective_rpc` (ringserve.engine.weight_sync) ----------------
+
+    def get_weight_checksum(self) -> str:
+        """SHA-256 over this rank's serving weights as the kernels read them (panels,
+        packed or plain tensors, in module order): equal on two ranks or two engines exactly
+        when they serve the same weights in the same layout."""
+        return weight_checksum(self.runner.model)
+
+    def get_device_info(self) -> dict[str, Any]:
+        """This worker's rank, device, dtype, sleep level and decode-capture state."""
+        runner = self.runner
+        return {"rank": self.rank, "world_size": self.tp.world_size, "device": str(self.device),
+                "dtype": str(self.config.model_config.dtype).removeprefix("torch."),
+                "sleep_level": self._sleep_level, "decode_capture": runner.capture is not None,
+                "decode_capture_reason": runner.capture_reason}
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
         """Run one step; per-request failures are in `request_errors` afterwards. None when
@@ -193,3 +254,11 @@ class Worker:
         peak = torch.cuda.max_memory_allocated(self.device) - kv_bytes
         total = torch.cuda.mem_get_info(self.device)[1]
         return int(total * self.config.cache_config.gpu_memory_utilization) - peak
+
+
+def _guard(call: Callable[[], Any]) -> list[Any]:
+    """[None, value] of `call()`, or ["Type: message", None] when it raised an Exception."""
+    try:
+        return [None, call()]
+    except Exception as exc:
+        return [f"{type(exc).__name__}: {exc}", None]

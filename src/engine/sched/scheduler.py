@@ -150,6 +150,7 @@ class Scheduler(BooksMixin):
         self.pending_flops = 0.0
         # Finished since the last schedule(): workers drop their state.
         self._finished_req_ids: list[str] = []
+        self._invalidated: list[str] = []  # preempted by new weights, for the next step
         # Outputs produced between steps (admission errors, notified aborts), per client.
         self._pending_outputs: list[tuple[int, EngineCoreOutput]] = []
         # Finished since the last update_from_output(), per client.
@@ -361,6 +362,12 @@ class Scheduler(BooksMixin):
             step.num_scheduled[req.request_id] = n
             step.budget -= n
 
+    def _take_invalidated(self, preempted: list[str]) -> list[str]:
+        if not self._invalidated:
+            return preempted
+        ids, self._invalidated = [*self._invalidated, *preempted], []
+        return ids
+
     def _build_output(self, step: _Step) -> SchedulerOutput:
         num_scheduled = step.num_scheduled
         grammar_ids: list[str] = []  # constrained requests that sample this step
@@ -414,7 +421,7 @@ class Scheduler(BooksMixin):
             num_scheduled_tokens=num_scheduled,
             total_num_scheduled_tokens=self.max_num_batched_tokens - step.budget,
             finished_req_ids=finished,
-            preempted_req_ids=step.preempted,
+            preempted_req_ids=self._take_invalidated(step.preempted),
             grammar_req_ids=grammar_ids,
         )
 

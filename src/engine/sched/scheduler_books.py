@@ -35,6 +35,7 @@ class BooksMixin(OutputMixin):
     waiting_for_grammar: list[Request]
     max_num_seqs: int
     _finished_req_ids: list[str]
+    _invalidated: list[str]
     _num_preemptions: int
     _step_id: int
     pending_flops: float
@@ -168,6 +169,24 @@ class BooksMixin(OutputMixin):
     def get_request_counts(self) -> tuple[int, int]:
         """(running, waiting)."""
         return len(self.running), len(self.waiting)
+
+    def invalidate_computed_kv(self) -> int:
+        """The model's weights changed: every running request's KV is stale. Each is
+        preempted (its blocks freed, to recompute from its prompt and the tokens it has) and
+        queued first, in its running order; the workers hear of it with the next step.
+        Call with no step in flight. Returns the number of requests preempted."""
+        running = list(self.running)
+        for req in reversed(running):  # prepended in reverse: the queue keeps their order
+            self.kv_cache_manager.free(req)
+            req.status = _PREEMPTED
+            req.num_computed_tokens = 0
+            req.num_output_placeholders = 0
+            req.num_preemptions += 1
+            self.waiting.prepend(req)
+            if req.was_scheduled:
+                self._invalidated.append(req.request_id)
+        self.running.clear()
+        return len(running)
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached prefix (in-use blocks stay with their requests)."""
