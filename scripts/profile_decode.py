@@ -71,12 +71,18 @@ CATEGORIES = ("input prep", "embedding", "norms", "qkv_proj", "rotary", "KV writ
 def smol_135m_dir(root: Path) -> Path:
     """A SmolLM-135M-shaped model directory (config, generation config, tokenizer; no weights)
     under `root`, its tokenizer copied from the tiny Llama."""
+    return shaped_model_dir(root, "smol-135m-shape", "llama", SMOL_135M)
+
+
+def shaped_model_dir(root: Path, name: str, preset: str, shape: dict[str, Any]) -> Path:
+    """`root/name`: the tiny `preset` model's directory (tokenizer, generation config) with
+    `shape` over its config.json and no weights (`--load-format dummy`)."""
     from ringserve.gpu.testing import tiny_model
 
-    src = tiny_model("llama")
+    src = tiny_model(preset)
     config = json.loads((src / "config.json").read_text())
-    config.update(SMOL_135M)
-    out = root / "smol-135m-shape"
+    config.update(shape)
+    out = root / name
     out.mkdir(parents=True, exist_ok=True)
     for item in src.iterdir():
         if item.name not in ("config.json", "model.safetensors"):

@@ -16,6 +16,10 @@ single tensor. The trainer's packed buffer and each worker's receive buffer are 
 bucket to bucket: the trainer repacks only after ``update_weights`` returned (every worker has
 copied the bucket), and a worker's views are only valid until its next ``receive``.
 
+Across hosts: the trainer's ``master_address`` must be one the workers reach (the default is
+loopback), and each member's gloo device is torch's default for its host name
+(``GLOO_SOCKET_IFNAME`` picks an interface).
+
 Failures: a dead peer or a silent one makes the waiting side raise `WeightTransportError` (a
 closed connection at once, silence after ``timeout_s``). A bucket the engine refused before its
 workers joined the broadcast leaves the trainer's broadcast pending: the trainer then drops the
@@ -128,8 +132,8 @@ class CollectiveSender:
         timeout = timedelta(seconds=self.timeout_s)
         try:
             store = TCPStore(self.options.master_address, self.options.master_port,
-                                  self.world_size, is_master=True, wait_for_workers=False,
-                                  timeout=timeout)
+                             self.world_size, is_master=True, wait_for_workers=False,
+                             timeout=timeout)
         except Exception as exc:
             raise WeightTransportError(
                 f"cannot serve the {self.backend} group's TCPStore at "

@@ -77,6 +77,8 @@ class ShmSender:
         metas: the source's tensors at ``trainer_init`` (they size the segments).
     """
 
+    broken = False  # a shm channel cannot break: nothing is in flight between rounds
+
     def __init__(self, bucket_bytes: int, metas: list[TensorMeta]) -> None:
         plan = plan_buckets(metas, bucket_bytes)
         normal = [bucket.nbytes for bucket in plan if not bucket.oversized]
@@ -95,8 +97,6 @@ class ShmSender:
             self._segments.append(self._big)
         self._bytes = {seg.name: torch.frombuffer(seg.mapping, dtype=torch.uint8)
                        for seg in self._segments}
-
-    broken = False  # a shm channel cannot break: nothing is in flight between rounds
 
     def init_info(self) -> dict[str, Any]:
         """``{"segments": [name, ...]}``."""

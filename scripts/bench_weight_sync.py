@@ -1,0 +1,226 @@
+#!/usr/bin/env python3
+"""Weight sync from a trainer (issue 18, item 10): update time and GB/s per backend for a 135M-
+and a 500M-parameter float32 model shape, against a memcpy of the same bytes in the same run,
+and the whole pause -> update -> resume cycle.
+
+In one process: an `LLM` on the shape (`--load-format dummy`, the default attention backend
+and the captured decode step) started with `--weight-transfer-config {"backend": B}`, and a
+trainer (`ringserve.weight_transfer.TrainerWeightTransferEngine`, the `LLM` as its sync
+client) whose source holds the shape's HF-named float32 tensors (random values). Every round
+is timed by phase through a wrapper of the client: start (the metadata check and the staging
+model), update (every bucket: the trainer copies it into the transport, each worker reads it
+in place and copies it into the staging model), finish (the pack into the kernels' layout, the
+swap between steps, the decode capture again). "update GB/s" is the bytes over the update
+phase alone, the transport; "round GB/s" over the whole round. The baseline is a `copy_` of
+every source tensor into a preallocated one (the same bytes, one read and one write), median
+of 5, at the same thread count. The cycle is `pause("keep")` -> one round -> `resume()` with
+four requests in flight that continue afterwards (their KV is recomputed), target: under the
+memcpy time + 100 ms.
+
+    .venv/bin/python scripts/bench_weight_sync.py [--shapes 135m,500m] [--backends shm,gloo]
+        [--rounds 3] [--threads 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shlex
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+SHAPES: dict[str, dict[str, Any]] = {
+    # SmolLM2-135M (Llama, tied embeddings).
+    "135m": {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 576,
+             "intermediate_size": 1536, "num_hidden_layers": 30, "num_attention_heads": 9,
+             "num_key_value_heads": 3, "head_dim": 64, "vocab_size": 49152,
+             "tie_word_embeddings": True},
+    # Qwen2.5-0.5B (Qwen2: q/k/v bias, tied embeddings).
+    "500m": {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_size": 896,
+             "intermediate_size": 4864, "num_hidden_layers": 24, "num_attention_heads": 14,
+             "num_key_value_heads": 2, "head_dim": 64, "vocab_size": 151936,
+             "tie_word_embeddings": True},
+}
+
+
+def shape_dir(root: Path, shape: str) -> Path:
+    """A model directory of `shape` (config + the tiny model's tokenizer; no weights)."""
+    from profile_decode import shaped_model_dir
+
+    return shaped_model_dir(root, f"shape-{shape}", "qwen2" if shape == "500m" else "llama",
+                            {**SHAPES[shape], "dtype": "float32", "torch_dtype": "float32",
+                             "max_position_embeddings": 2048})
+
+
+def source_tensors(model_dir: Path) -> dict[str, torch.Tensor]:
+    """The shape's HF-named parameters (as transformers names them), random float32."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(str(model_dir))
+    with torch.device("meta"):
+        meta = AutoModelForCausalLM.from_config(config)
+    gen = torch.Generator().manual_seed(0)
+    tensors: dict[str, torch.Tensor] = {}
+    for name, param in meta.named_parameters():
+        values = torch.empty(param.shape, dtype=torch.float32)
+        if "norm" in name:
+            values.fill_(1.0)
+        else:
+            values.uniform_(-0.02, 0.02, generator=gen)
+        tensors[name] = values
+    return tensors
+
+
+def memcpy_seconds(tensors: dict[str, torch.Tensor]) -> float:
+    """Median of 5 passes of copy_ of every tensor into a preallocated twin."""
+    twins = {name: torch.empty_like(t) for name, t in tensors.items()}
+    times = []
+    for _ in range(6):
+        start = time.perf_counter()
+        for name, t in tensors.items():
+            twins[name].copy_(t)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times[1:])
+
+
+class TimedClient:
+    """The LLM as the trainer's sync client, timing each phase of a round."""
+
+    def __init__(self, llm: Any) -> None:
+        self.llm = llm
+        self.phases: dict[str, float] = {}
+
+    def _timed(self, phase: str, call: Any, *args: Any) -> Any:
+        start = time.perf_counter()
+        try:
+            return call(*args)
+        finally:
+            self.phases[phase] = self.phases.get(phase, 0.0) + time.perf_counter() - start
+
+    def get_world_size(self, include_dp: bool = True) -> int:
+        return int(self.llm.get_world_size(include_dp))
+
+    def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> Any:
+        return self._timed("init", self.llm.init_weight_transfer_engine, init_info)
+
+    def start_weight_update(self, metadata: dict[str, Any] | None = None) -> Any:
+        return self._timed("start", self.llm.start_weight_update, metadata)
+
+    def update_weights(self, update_info: dict[str, Any]) -> Any:
+        return self._timed("update", self.llm.update_weights, update_info)
+
+    def finish_weight_update(self, weight_version: str | None = None) -> Any:
+        return self._timed("finish", self.llm.finish_weight_update, weight_version)
+
+
+def span(values: list[float], scale: float = 1.0, fmt: str = ".1f") -> str:
+    v = [x * scale for x in values]
+    return f"{statistics.median(v):{fmt}} ({min(v):{fmt}}-{max(v):{fmt}})"
+
+
+def bench(shape: str, backend: str, ns: argparse.Namespace, root: Path,
+          tensors: dict[str, torch.Tensor], copy_s: float) -> dict[str, Any]:
+    from ringserve import LLM, SamplingParams
+    from ringserve.weight_transfer import StateDictSource, TrainerWeightTransferEngine
+
+    nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
+    config = {"backend": backend}
+    rounds: list[dict[str, float]] = []
+    cycles: list[float] = []
+    with LLM(str(shape_dir(root, shape)), device="cpu", load_format="dummy",
+             weight_transfer_config=config, kv_cache_memory=64 << 20, max_model_len=512,
+             max_num_seqs=8) as llm:
+        client = TimedClient(llm)
+        with TrainerWeightTransferEngine(config, client) as trainer:
+            trainer.trainer_init(StateDictSource(tensors))
+            trainer.send_weights("warm-up")
+            for i in range(ns.rounds):
+                client.phases = {}
+                start = time.perf_counter()
+                trainer.send_weights(f"r{i}")
+                rounds.append({"round": time.perf_counter() - start, **client.phases})
+            params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+            engine = llm.llm_engine
+            for i in range(ns.rounds):
+                for j in range(4):
+                    engine.add_request(f"c{i}-{j}", {"prompt_token_ids": [5 + j] * 32}, params)
+                for _ in range(3):
+                    engine.step()  # the requests hold KV now
+                start = time.perf_counter()
+                llm.pause("keep")
+                trainer.send_weights(f"c{i}")
+                llm.resume()
+                cycles.append(time.perf_counter() - start)
+                while engine.has_unfinished_requests():
+                    engine.step()
+    update = [r["update"] for r in rounds]
+    total = [r["round"] for r in rounds]
+    return {
+        "shape": shape, "backend": backend, "bytes": nbytes, "tensors": len(tensors),
+        "round_s": total, "start_s": [r["start"] for r in rounds], "update_s": update,
+        "finish_s": [r["finish"] for r in rounds], "cycle_s": cycles, "memcpy_s": copy_s,
+        "update_vs_memcpy": statistics.median(copy_s / u for u in update),
+        "round_vs_memcpy": statistics.median(copy_s / t for t in total),
+    }
+
+
+def report(r: dict[str, Any]) -> list[str]:
+    gb = r["bytes"] / 1e9
+    target_cycle = r["memcpy_s"] + 0.1
+    return [
+        f"| {r['shape']} | {r['backend']} | {gb:.2f} | {span(r['round_s'], 1e3)} | "
+        f"{span(r['start_s'], 1e3)} | {span(r['update_s'], 1e3)} | {span(r['finish_s'], 1e3)} | "
+        f"{gb / statistics.median(r['update_s']):.2f} | {gb / statistics.median(r['round_s']):.2f} | "
+        f"{gb / r['memcpy_s']:.2f} ({r['memcpy_s'] * 1e3:.1f} ms) | "
+        f"{r['update_vs_memcpy'] * 100:.0f}% / {r['round_vs_memcpy'] * 100:.0f}% | "
+        f"{span(r['cycle_s'], 1e3)} vs {target_cycle * 1e3:.0f} |"
+    ]
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--shapes", default="135m,500m")
+    p.add_argument("--backends", default="shm,gloo")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--json", type=Path, default=None, help="also write the results here")
+    ns = p.parse_args()
+    torch.set_num_threads(ns.threads)
+    print(json.dumps({"python": platform.python_version(), "torch": torch.__version__,
+                      "cpus": os.cpu_count(), "threads": ns.threads,
+                      "load_average": os.getloadavg(), "command": shlex.join(sys.argv)}))
+    results = []
+    with tempfile.TemporaryDirectory(prefix="bench-weight-sync-") as tmp:
+        root = Path(tmp)
+        for shape in ns.shapes.split(","):
+            tensors = source_tensors(shape_dir(root, shape))
+            copy_s = memcpy_seconds(tensors)
+            for backend in ns.backends.split(","):
+                result = bench(shape, backend, ns, root, tensors, copy_s)
+                results.append(result)
+                print("\n".join(report(result)), flush=True)
+            del tensors
+    print("\n| shape | backend | GB | round ms | start ms | update ms | finish ms | update GB/s "
+          "| round GB/s | memcpy GB/s (ms) | update / round vs memcpy | cycle ms vs target |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for result in results:
+        print("\n".join(report(result)))
+    print(f"load average at the end: {os.getloadavg()}")
+    if ns.json is not None:
+        ns.json.write_text(json.dumps(results, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
