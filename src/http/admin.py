@@ -1,9 +1,10 @@
-"""Control routes (admin key): sleep, wake_up, is_sleeping, pause, resume, reset_prefix_cache.
+"""Control routes (admin key): sleep, wake_up, is_sleeping, reset_prefix_cache.
 
 Each calls the engine cores' utility of the same name (`AsyncLLM.call_utility`). Parameters
-come, as in vLLM, from the query string (`/sleep?level=1`, `/pause?mode=keep`) or a JSON
-body (`{"level": 2}`); a value a core refuses (a sleep level other than 1 or 2, sleeping with
-requests in flight, an unknown pause mode) is a 400 with the core's message.
+come, as in vLLM, from the query string (`/sleep?level=1`) or a JSON body (`{"level": 2}`); a
+value a core refuses (a sleep level other than 1 or 2, sleeping with requests in flight) is a
+400 with the core's message. Pause and resume (`/pause?mode=abort|keep|wait`, default abort,
+as vLLM's) are with the other routes an RL trainer drives, in `ringserve.http.rl_routes`.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from ringserve.http.context import TOO_DEEP, AppContext
 from ringserve.http.errors import bad_request
 from ringserve.http.responses import json_response
 
-ADMIN_PATHS = ("/sleep", "/wake_up", "/is_sleeping", "/pause", "/resume", "/reset_prefix_cache")
+ADMIN_PATHS = ("/sleep", "/wake_up", "/is_sleeping", "/reset_prefix_cache")
 
 
 async def _param(request: Request, name: str) -> Any:
@@ -70,17 +71,6 @@ class Admin:
         levels = await self._call("is_sleeping")
         return json_response({"is_sleeping": any(levels)})
 
-    async def pause(self, request: Request) -> Response:
-        """Stop scheduling; mode keep (default), abort or wait."""
-        mode = await _param(request, "mode")
-        await self._call("pause", "keep" if mode is None else str(mode))
-        return Response(status_code=200)
-
-    async def resume(self, request: Request) -> Response:
-        """Undo pause."""
-        await self._call("resume")
-        return Response(status_code=200)
-
     async def reset_prefix_cache(self, request: Request) -> Response:
         """Drop cached prefix blocks; `{"success": false}` when some are still in use."""
         results = await self._call("reset_prefix_cache")
@@ -92,7 +82,5 @@ class Admin:
             Route("/sleep", wrap(self.sleep), methods=["POST"]),
             Route("/wake_up", wrap(self.wake_up), methods=["POST"]),
             Route("/is_sleeping", wrap(self.is_sleeping), methods=["GET"]),
-            Route("/pause", wrap(self.pause), methods=["POST"]),
-            Route("/resume", wrap(self.resume), methods=["POST"]),
             Route("/reset_prefix_cache", wrap(self.reset_prefix_cache), methods=["POST"]),
         ]

@@ -8,8 +8,10 @@ its last event or its client's disconnect), so the drain can wait on `state.idle
 
 Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /health,
 GET /version, GET /metrics, POST /tokenize, POST /detokenize, the control routes of
-`ringserve.http.admin` and those of `ringserve.http.fault_tolerance` (admin key). `/health` is
-503 while the engine starts, drains, is dead or any core recovers from a fault. Every error is OpenAI's error body (`ringserve.http.errors`); keys are
+`ringserve.http.admin`, the RL trainer's of `ringserve.http.rl_routes` (pause / resume,
+weight updates) and those of `ringserve.http.fault_tolerance` (all with the admin key).
+`/health` is 503 while the engine starts, drains, is dead or any core recovers from a fault.
+Every error is OpenAI's error body (`ringserve.http.errors`); keys are
 checked by `ringserve.http.auth`; bodies over `max_request_body_bytes` get 413
 (`ringserve.http.body_limit`). Outermost, as in vLLM: the `--root-path` prefix becomes the
 ASGI root_path (the router then serves `/PREFIX/v1/...` and, from a proxy that strips it,
@@ -44,6 +46,7 @@ from ringserve.http.context import AppContext
 from ringserve.http.errors import EXCEPTION_HANDLERS, APIError, error_from_exception
 from ringserve.http.fault_tolerance import FAULT_TOLERANCE_PATHS, FaultTolerance
 from ringserve.http.responses import ModelCard, ModelList, json_response
+from ringserve.http.rl_routes import RL_PATHS, RLRoutes
 from ringserve.http.settings import ServerState, ServeSettings
 from ringserve.http.streaming import SSEResponse
 from ringserve.http.tokenize import Tokenization
@@ -152,11 +155,12 @@ def build_app(engine: AsyncLLM, settings: ServeSettings, state: ServerState) -> 
         Route("/tokenize", _guard(ctx, tokenization.tokenize), methods=["POST"]),
         Route("/detokenize", _guard(ctx, tokenization.detokenize), methods=["POST"]),
         *Admin(ctx).routes(lambda handler: _guard(ctx, handler)),
+        *RLRoutes(ctx).routes(lambda handler: _guard(ctx, handler)),
         *FaultTolerance(ctx).routes(lambda handler: _guard(ctx, handler)),
     ]
     auth = Middleware(AuthMiddleware, api_key=settings.api_key,
                       admin_api_key=settings.admin_api_key, open_paths=OPEN_PATHS,
-                      admin_paths=(*ADMIN_PATHS, *FAULT_TOLERANCE_PATHS))
+                      admin_paths=(*ADMIN_PATHS, *RL_PATHS, *FAULT_TOLERANCE_PATHS))
     limit = Middleware(BodyLimitMiddleware, limit=settings.max_request_body_bytes)
     cors = Middleware(CORSMiddleware, allow_origins=settings.allowed_origins,
                       allow_methods=settings.allowed_methods,

@@ -8,7 +8,9 @@ message's content when it has the reply's role (vLLM's rule, for continue_final_
 `tools` go into the template and, by `tool_choice`, become a constraint and a tool parser
 (`ringserve.http.tool_parsers.request`); with a reasoning parser or a tool parser each
 choice's text is split into reasoning, content and tool calls (`ringserve.http.chat_output`),
-streamed as OpenAI's deltas; finish_reason is `tool_calls` when calls were made.
+streamed as OpenAI's deltas; finish_reason is `tool_calls` when calls were made. Each choice
+carries the weight versions of its tokens (`ringserve.http.responses`; the role and echo
+deltas, sent before any token, have none).
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from ringserve.http.responses import (
     DeltaMessage,
     json_response,
     usage,
+    weight_versions,
 )
 from ringserve.http.sampling import build_params, structured_outputs_of
 from ringserve.http.streaming import Emit, SSEResponse
@@ -130,7 +133,8 @@ class Chat:
         else:
             message = ChatMessageOut(role=ROLE, content=echo + out.text)
         return ChatChoice(index=out.index, message=message, logprobs=self._logprobs(req, out),
-                          finish_reason=finish_reason, stop_reason=out.stop_reason)
+                          finish_reason=finish_reason, stop_reason=out.stop_reason,
+                          weight_versions=weight_versions(out.weight_versions))
 
     async def _stream(self, req: ChatCompletionRequest, job: Job, plan: ChatOutputPlan,
                       echo: str, emit: Emit) -> None:
@@ -171,7 +175,8 @@ class Chat:
                         continue  # all held back (a marker may be starting)
                 await emit(chunk(ChatStreamChoice(
                     index=out.index, delta=delta, logprobs=self._logprobs(req, out),
-                    finish_reason=finish_reason, stop_reason=out.stop_reason)))
+                    finish_reason=finish_reason, stop_reason=out.stop_reason,
+                    weight_version=out.weight_version)))
 
         await run_jobs(self.ctx.engine, [job], send)
         if req.include_usage:

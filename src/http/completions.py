@@ -5,6 +5,7 @@ of prompt `i`, as in vLLM. Text prompts are tokenized here, so the context-lengt
 answer vLLM's message before anything reaches the engine; the engine then receives token ids
 (with the text, for echo and detokenization). `echo` prepends the prompt (and, with
 `logprobs`, its logprobs, for which the prompt's logprobs are requested from the engine).
+Each choice carries the weight versions of its tokens (`ringserve.http.responses`).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from ringserve.http.responses import (
     CompletionResponse,
     json_response,
     usage,
+    weight_versions,
 )
 from ringserve.http.sampling import build_params
 from ringserve.http.streaming import Emit, SSEResponse
@@ -98,9 +100,10 @@ class Completions:
         return str(self.ctx.tokenizer.decode(output.prompt_token_ids))
 
     def _choice(self, req: CompletionRequest, output: RequestOutput, out: CompletionOutput,
-                index: int, first: bool, offset: int) -> tuple[CompletionChoice, int]:
-        """One choice (or stream delta); `first`: the choice's first chunk (echo goes there).
-        Returns it with the text offset after it."""
+                index: int, first: bool, offset: int,
+                stream: bool = False) -> tuple[CompletionChoice, int]:
+        """One choice (or, with `stream`, a delta of it); `first`: the choice's first chunk
+        (echo goes there). Returns it with the text offset after it."""
         tokenizer = self.ctx.tokenizer
         text = out.text
         logprobs = None
@@ -120,6 +123,10 @@ class Completions:
             stop_reason=out.stop_reason,
             prompt_logprobs=(prompt_logprobs(output.prompt_logprobs)
                              if first and req.prompt_logprobs is not None else None))
+        if stream:
+            choice.weight_version = out.weight_version
+        else:
+            choice.weight_versions = weight_versions(out.weight_versions)
         return choice, offset
 
     async def _full(self, request: Request, req: CompletionRequest, base_id: str,
@@ -161,7 +168,7 @@ class Completions:
                     continue
                 choice, choice_state.offset = self._choice(
                     req, output, out, index * n + out.index, not choice_state.started,
-                    choice_state.offset)
+                    choice_state.offset, stream=True)
                 choice_state.started = True
                 choice_state.num_tokens += len(out.token_ids)
                 await emit(CompletionResponse(

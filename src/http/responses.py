@@ -1,16 +1,24 @@
 """Response bodies of the OpenAI-compatible API, encoded with msgspec.
 
 Field names and nesting follow OpenAI's (and vLLM's extras: `stop_reason`,
-`prompt_logprobs`), so the official clients parse them. `json_response` encodes one for a
-plain (non-streaming) answer.
+`prompt_logprobs`), so the official clients parse them. Each choice also tells which weights
+its tokens came from (clients that do not know the fields ignore them): a full response's
+choice carries `weight_versions`, the spans of its tokens by weight version
+(`[{"version": "v1", "start": 0}, {"version": "v2", "start": 17}]`, empty when no token was
+generated), a stream chunk's choice `weight_version`, the version of that delta's tokens (of
+its last one, should a delta span an update; null for the start-up weights and before the
+first token). `json_response` encodes one for a plain (non-streaming) answer.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import msgspec
 from starlette.responses import Response
+
+from ringserve.outputs import WeightVersionSpan
 
 
 class UsageInfo(msgspec.Struct, kw_only=True):
@@ -25,6 +33,19 @@ def usage(prompt_tokens: int, completion_tokens: int) -> UsageInfo:
     """A UsageInfo with its total."""
     return UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
                      total_tokens=prompt_tokens + completion_tokens)
+
+
+class WeightVersionOut(msgspec.Struct, kw_only=True):
+    """The weight version of a choice's tokens from index `start` on (None: the start-up
+    weights)."""
+
+    version: str | None
+    start: int
+
+
+def weight_versions(spans: Sequence[WeightVersionSpan]) -> list[WeightVersionOut]:
+    """A choice's `weight_versions` from its output's spans."""
+    return [WeightVersionOut(version=span.version, start=span.start) for span in spans]
 
 
 class PromptLogprob(msgspec.Struct, kw_only=True):
@@ -48,7 +69,8 @@ class CompletionLogprobs(msgspec.Struct, kw_only=True):
 
 
 class CompletionChoice(msgspec.Struct, kw_only=True):
-    """One choice of a completion (or a stream chunk's delta of it)."""
+    """One choice of a completion (or a stream chunk's delta of it): a full response sets
+    `weight_versions`, a chunk `weight_version`; the one left UNSET is not encoded."""
 
     index: int
     text: str
@@ -56,6 +78,8 @@ class CompletionChoice(msgspec.Struct, kw_only=True):
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     prompt_logprobs: PromptLogprobs | None = None
+    weight_versions: list[WeightVersionOut] | msgspec.UnsetType = msgspec.UNSET
+    weight_version: str | msgspec.UnsetType | None = msgspec.UNSET
 
 
 class CompletionResponse(msgspec.Struct, kw_only=True):
@@ -125,6 +149,7 @@ class ChatChoice(msgspec.Struct, kw_only=True):
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    weight_versions: list[WeightVersionOut] = msgspec.field(default_factory=list)
 
 
 class ChatCompletionResponse(msgspec.Struct, kw_only=True):
@@ -173,6 +198,7 @@ class ChatStreamChoice(msgspec.Struct, kw_only=True):
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    weight_version: str | None = None
 
 
 class ChatCompletionChunk(msgspec.Struct, kw_only=True):

@@ -392,7 +392,7 @@ async def test_sigterm_drains_then_exits_zero(tiny_llama_dir: Path, tmp_path: Pa
                 if len(events) != 2:
                     continue
                 # Hold the stream in flight (the engine stops scheduling) while we look.
-                assert (await client.post("/pause", headers=admin)).status_code == 200
+                assert (await client.post("/pause?mode=keep", headers=admin)).status_code == 200
                 if ctrl_c_to_group:
                     os.killpg(live.pid, signal.SIGINT)  # the server leads its own session
                 else:
