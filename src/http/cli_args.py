@@ -46,7 +46,8 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
                             "(default: $RINGSERVE_API_KEY, else open)")
     group.add_argument("--admin-api-key", default=None,
                        help="key the control routes (/sleep, /wake_up, /pause, /resume, "
-                            "/reset_prefix_cache) require (default: those routes are refused)")
+                            "/reset_prefix_cache, the weight-update and RL routes, "
+                            "/fault_tolerance/*) require (default: those routes are refused)")
     group.add_argument("--chat-template", default=None,
                        help="chat template: a file path or the Jinja text itself "
                             "(default: the tokenizer's)")

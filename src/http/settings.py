@@ -28,7 +28,8 @@ class ServeSettings:
         served_model_aliases: the other names of that list, served the same way.
         api_key: required as `Authorization: Bearer <key>` on every `/v1` route (None: open).
         admin_api_key: required on the control routes (/sleep, /wake_up, /pause, /resume,
-            /reset_prefix_cache); None: those routes are refused (403).
+            /reset_prefix_cache, the weight-update and RL routes of `ringserve.http.rl_routes`,
+            /fault_tolerance/*); None: those routes are refused (403).
         chat_template: a Jinja chat template overriding the tokenizer's (text, not a path).
         max_request_body_bytes: larger bodies get 413.
         shutdown_timeout: seconds in-flight requests may take to finish after SIGTERM.
