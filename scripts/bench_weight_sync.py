@@ -59,7 +59,10 @@ def shape_dir(root: Path, shape: str) -> Path:
 
     return shaped_model_dir(root, f"shape-{shape}", "qwen2" if shape == "500m" else "llama",
                             {**SHAPES[shape], "dtype": "float32", "torch_dtype": "float32",
-                             "max_position_embeddings": 2048})
+                             "max_position_embeddings": 2048,
+                             # per-layer attention kinds of the tiny model's 2 layers
+                             "layer_types": ["full_attention"] * SHAPES[shape][
+                                 "num_hidden_layers"]})
 
 
 def source_tensors(model_dir: Path) -> dict[str, torch.Tensor]:

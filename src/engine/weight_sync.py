@@ -192,7 +192,7 @@ class WeightSyncMixin:
         trainer with metadata (None: the start-up checkpoint serves)."""
         if not self._snapshot_current:
             return None
-        return str(weight_snapshot.snapshot_dir(self.engine_index))
+        return str(weight_snapshot.current_snapshot(self.engine_index))
 
     def restart_config(self) -> tuple[EngineConfig, str | None]:
         """(the config new workers load with, the weight version they will serve): the last

@@ -260,6 +260,36 @@ def _finish_weight(weight: nn.Parameter, bias: nn.Parameter | None, quantization
     return packed, None, kept
 
 
+def refresh_panel(panel: PanelWeight, weight: torch.Tensor, bias: torch.Tensor | None,
+                  method: str | None) -> None:
+    """Rewrite `panel` in place from a newly loaded plain `weight` (and the bias it folds):
+    the same tensors, so the captured decode step's pointers stay valid."""
+    if panel.format == "f32":
+        panel_native.to_panels(weight.detach().float(), out=panel.data)
+    else:
+        fresh = quantize(weight.data, method or panel.format)
+        for mine, new in ((panel.data, fresh.data), (panel.scales, fresh.scales),
+                          (panel.mins, fresh.mins)):
+            if mine is not None and new is not None:
+                mine.copy_(new)
+    if panel.bias is not None and bias is not None:
+        panel.bias.copy_(bias.detach().float())
+
+
+def refresh_layer(layer: ColumnParallelLinear | RowParallelLinear,
+                  loaded: ColumnParallelLinear | RowParallelLinear) -> None:
+    """New weights for `layer` in place, from `loaded`: the same layer of a model whose
+    weights were just loaded and not processed (`ringserve.gpu.weight_update`)."""
+    if loaded.bias is not None and layer.bias is not None:
+        layer.bias.data.copy_(loaded.bias.data)
+    if layer.panel is not None:
+        refresh_panel(layer.panel, loaded.weight.data, loaded.bias, layer.quantization)
+    elif layer.packed is not None:
+        layer.packed = pack_weight(loaded.weight.data)
+    else:
+        layer.weight.data.copy_(loaded.weight.data)
+
+
 def _divide(total: int, parts: int, what: str) -> int:
     if total % parts:
         raise ValueError(f"tensor_parallel_size: {parts} shards do not divide {what} ({total})")

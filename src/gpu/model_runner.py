@@ -153,15 +153,6 @@ class ModelRunner:
         else:
             logger.info("decode steps run eagerly: %s", self.capture_reason)
 
-    def swap_model(self, model: LlamaForCausalLM) -> None:
-        """Serve `model` (loaded and post-processed) from the next step on: new weights from
-        a trainer (`ringserve.gpu.weight_update`). The KV cache and the request table stay;
-        the engine core has the requests recompute their KV. The decode step is captured
-        again over the new weights."""
-        self._model = model
-        self._awaiting_grammar = None
-        self.capture_decode()
-
     def release_kv_cache(self) -> None:
         """Drop the KV cache tensors and every request's state (sleep)."""
         self.kv_caches = []

@@ -105,14 +105,17 @@ def num_panels(n: int) -> int:
     return -(-n // PANEL)
 
 
-def to_panels(matrix: torch.Tensor) -> torch.Tensor:
-    """[n, k] -> [P, k, 16] (rows padded with zeros to a multiple of 16), contiguous.
+def to_panels(matrix: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """[n, k] -> [P, k, 16] (rows padded with zeros to a multiple of 16), contiguous; into
+    `out` (a [P, k, 16] tensor of the dtype, e.g. a layer's panels: new weights in place)
+    when given.
 
     One strided copy of the full panels (the pack of a weight update or a load reads the
     weight once), plus the zero-padded last panel when n is not a multiple of 16."""
     n, k = matrix.shape
     full = n // PANEL
-    out = torch.empty(num_panels(n), k, PANEL, dtype=matrix.dtype)
+    if out is None:
+        out = torch.empty(num_panels(n), k, PANEL, dtype=matrix.dtype)
     if full:
         out[:full].copy_(matrix[: full * PANEL].view(full, PANEL, k).transpose(1, 2))
     if n % PANEL:

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ringserve.gpu import panel_native
-from ringserve.gpu.linear import apply_linear, check_shape, repack
+from ringserve.gpu.linear import apply_linear, check_shape, pack_weight, refresh_panel, repack
 from ringserve.gpu.panel_native import PanelWeight
 from ringserve.gpu.parallel import TPGroup
 from ringserve.gpu.quant import quantize
@@ -95,6 +95,17 @@ class ParallelLMHead(VocabParallelEmbedding):
                                            requires_grad=False)
             return
         self.packed, self.weight = repack(self.weight, keep_weight=keep_weight)
+
+    def refresh_from(self, loaded: ParallelLMHead) -> None:
+        """New weights in place from the same head of a just-loaded, unprocessed model (a
+        weight update): the panels are rewritten (same tensors), a kept plain weight is
+        copied, a oneDNN copy is made again."""
+        if self.weight.numel():
+            self.weight.data.copy_(loaded.weight.data)
+        if self.panel is not None:
+            refresh_panel(self.panel, loaded.weight.data, None, self.quantization)
+        elif self.packed is not None:
+            self.packed = pack_weight(loaded.weight.data)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits [N, vocab] (gathered from every rank) for hidden states [N, hidden]."""

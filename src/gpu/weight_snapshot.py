@@ -3,10 +3,12 @@
 A weight update replaces the weights the engine started with; a worker that dies and is
 restarted (`retry` after a fault) or a wake-up from sleep level 2 would otherwise load the
 start-up checkpoint again. So TP rank 0 of each engine core writes every tensor of a round, as
-it arrives and in the trainer's names and dtypes, into a safetensors file (`SnapshotWriter`),
-renamed into place only when the round has been swapped in: the file under `model.safetensors`
-is always the last complete round. The core then points restarts and wake-ups at the snapshot
-directory (`ringserve.engine.weight_sync`), read by the ordinary start-up loader.
+it arrives and in the trainer's names and dtypes, into a safetensors file (`SnapshotWriter`).
+There are two slots, `a/` and `b/`, written alternately in place (rewriting pages the page
+cache already holds runs at ~4.5 GB/s here; a fresh file's first write at ~0.7 GB/s), and a
+symlink `current` that is switched atomically to the slot a round filled once that round has
+been swapped in: `current` always holds the last complete round. The core points restarts and
+wake-ups at it (`ringserve.engine.weight_sync`), read by the ordinary start-up loader.
 
 A snapshot needs the round's metadata up front (the file's header is written first); a round
 started without metadata (a plain vLLM client) has none, and a restart then loads the start-up
@@ -31,7 +33,8 @@ from ringserve import envs
 from ringserve.shm.liveness import pid_alive
 
 SNAPSHOT_FILE = "model.safetensors"
-_PARTIAL = "model.safetensors.partial"
+CURRENT = "current"  # symlink to the slot holding the last complete round
+_SLOTS = ("a", "b")
 _DIR_RE = re.compile(r"^core-(\d+)-\d+$")
 
 _SAFETENSORS_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16",
@@ -46,6 +49,11 @@ def snapshot_root() -> Path:
 def snapshot_dir(engine_index: int) -> Path:
     """This process's (an engine core's) snapshot directory for `engine_index`."""
     return snapshot_root() / f"core-{os.getpid()}-{engine_index}"
+
+
+def current_snapshot(engine_index: int) -> Path:
+    """The directory (a symlink to a slot) a restart of this core loads the weights from."""
+    return snapshot_dir(engine_index) / CURRENT
 
 
 def cleanup_stale() -> list[str]:
@@ -79,6 +87,9 @@ class SnapshotWriter:
 
     def __init__(self, directory: Path, tensors: list[tuple[str, torch.dtype, list[int]]]) -> None:
         self.directory = directory
+        current = os.path.basename(os.readlink(directory / CURRENT)) if (
+            directory / CURRENT).is_symlink() else None
+        self._slot = _SLOTS[1] if current == _SLOTS[0] else _SLOTS[0]
         self._offsets: dict[str, tuple[int, int]] = {}
         header: dict[str, object] = {}
         offset = 0
@@ -97,9 +108,10 @@ class SnapshotWriter:
         raw = json.dumps(header, separators=(",", ":")).encode()
         raw += b" " * (-len(raw) % 8)  # the data starts 8-byte aligned
         self._base = 8 + len(raw)
-        directory.mkdir(parents=True, exist_ok=True)
-        self._path = directory / _PARTIAL
-        self._fd: int | None = os.open(self._path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+        (directory / self._slot).mkdir(parents=True, exist_ok=True)
+        self._path = directory / self._slot / SNAPSHOT_FILE
+        # Not truncated: a slot of the same size keeps its pages (the fast rewrite).
+        self._fd: int | None = os.open(self._path, os.O_RDWR | os.O_CREAT, 0o600)
         os.ftruncate(self._fd, self._base + offset)
         os.pwrite(self._fd, len(raw).to_bytes(8, "little") + raw, 0)
 
@@ -119,16 +131,18 @@ class SnapshotWriter:
             written += os.pwrite(self._fd, view[written:], self._base + offset + written)
 
     def commit(self) -> Path:
-        """The round is swapped in: make the file the snapshot. Returns its directory."""
+        """The round is swapped in: point `current` at its slot. Returns `current`."""
         self._close()
-        os.replace(self._path, self.directory / SNAPSHOT_FILE)
-        return self.directory
+        link = self.directory / f".{CURRENT}-{os.getpid()}"
+        with contextlib.suppress(FileNotFoundError):
+            link.unlink()
+        os.symlink(self._slot, link)
+        os.replace(link, self.directory / CURRENT)
+        return self.directory / CURRENT
 
     def discard(self) -> None:
-        """The round failed: drop the partial file (idempotent)."""
+        """The round failed: its slot is not current, and is simply rewritten next time."""
         self._close()
-        with contextlib.suppress(FileNotFoundError):
-            self._path.unlink()
 
     def _close(self) -> None:
         fd, self._fd = self._fd, None

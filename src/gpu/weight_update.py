@@ -21,8 +21,11 @@ may be views of a transport buffer that is reused afterwards).
 refused with the loader's own message.
 
 The serving model is never touched until `finish`: a failed or abandoned round leaves the
-worker on its last complete weights. The staging copy costs one more model in memory for the
-length of a round.
+worker on its last complete weights. At `finish` (between two steps) the serving model's own
+tensors are rewritten from the staging copy (`refresh_weights`: the linear layers and the LM
+head repack into their panels in place, so nothing is allocated and the captured decode step's
+pointers stay valid). The staging copy is built at the first round and kept: one more model in
+memory (its plain weights) while weight transfer is in use, released by sleep level 2.
 """
 
 from __future__ import annotations
@@ -39,10 +42,12 @@ import torch
 
 from ringserve.config import EngineConfig
 from ringserve.gpu.attention.backend import AttentionBackend
+from ringserve.gpu.linear import ColumnParallelLinear, RowParallelLinear, refresh_layer
 from ringserve.gpu.loader import _load
 from ringserve.gpu.models.llama import LlamaForCausalLM
 from ringserve.gpu.models.registry import model_class
 from ringserve.gpu.parallel import TPGroup
+from ringserve.gpu.vocab_embedding import ParallelLMHead
 from ringserve.gpu.weight_snapshot import SnapshotWriter
 
 logger = logging.getLogger(__name__)
@@ -143,20 +148,25 @@ class WeightUpdater:
         tp: this worker's TP group (each rank loads its own shard).
         device: the worker's device.
         backend: the attention backend the serving model was built with.
-        swap: called with the loaded, post-processed staging model at `finish` (the model
-            runner's `swap_model`).
+        serving: the model being served (the model runner's, read at `finish`).
+        refreshed: called after the serving model's weights were rewritten at `finish` (the
+            model runner's `capture_decode`).
     """
 
     def __init__(self, config: EngineConfig, tp: TPGroup, device: torch.device,
-                 backend: AttentionBackend,
-                 swap: Callable[[LlamaForCausalLM], None]) -> None:
+                 backend: AttentionBackend, serving: Callable[[], LlamaForCausalLM],
+                 refreshed: Callable[[], None]) -> None:
         self.config = config
         self.tp = tp
         self.device = device
         self.backend = backend
-        self._swap = swap
+        self._serving = serving
+        self._refreshed = refreshed
         self._receiver: Any = None
         self._staging: _StagingLoad | None = None
+        # The plain weights a round loads into: built at the first round, kept (warm pages,
+        # no model to build per round) until sleep level 2.
+        self._staging_model: LlamaForCausalLM | None = None
         self._meta: LlamaForCausalLM | None = None
         self._snapshot: SnapshotWriter | None = None
 
@@ -202,13 +212,19 @@ class WeightUpdater:
         if metadata is not None:
             tensors = self.check_metadata(metadata)
             if snapshot is not None and self.tp.rank == 0:
-                self._snapshot = SnapshotWriter(Path(snapshot), tensors)
-        start = time.perf_counter()
-        cls = model_class(self.config.model_config.architecture)
-        with torch.device(self.device):
-            model = cls.from_config(self.config.model_config, self.tp, self.backend)
-        self._staging = _StagingLoad(model)
-        logger.info("weight update: staging model built in %.3f s", time.perf_counter() - start)
+                try:
+                    self._snapshot = SnapshotWriter(Path(snapshot), tensors)
+                except (ValueError, OSError) as exc:
+                    raise WeightUpdateError(f"start_weight_update: {exc}") from exc
+        if self._staging_model is None:
+            start = time.perf_counter()
+            cls = model_class(self.config.model_config.architecture)
+            with torch.device(self.device):
+                self._staging_model = cls.from_config(self.config.model_config, self.tp,
+                                                      self.backend)
+            logger.info("weight update: staging model built in %.3f s",
+                        time.perf_counter() - start)
+        self._staging = _StagingLoad(self._staging_model)
 
     def check_metadata(self, metadata: dict[str, Any]) -> list[tuple[str, torch.dtype, list[int]]]:
         """Dry-run the model's loader over meta tensors of `metadata`'s shapes and dtypes;
@@ -267,12 +283,17 @@ class WeightUpdater:
         return count
 
     def finish(self) -> int:
-        """End the round: every tensor must have arrived; the staging model is post-processed
-        (packed for the device's kernels) and swapped in. Returns the tensors loaded.
+        """End the round: every tensor must have arrived; the serving model's weights are
+        then rewritten in place from the staging model (packed for the device's kernels, in
+        the tensors the kernels and the captured step already point at). Returns the tensors
+        loaded.
 
         Raises:
             WeightUpdateError: no round is open, or a tensor is missing (the round is
                 abandoned; the serving model is unchanged).
+            Exception: anything else while rewriting is not an update error but an engine
+                fault (the serving weights may be half-written; the fault path restarts the
+                workers from the last complete round).
         """
         staging = self._staging
         if staging is None:
@@ -287,13 +308,12 @@ class WeightUpdater:
             raise
         start = time.perf_counter()
         with torch.inference_mode():
-            staging.model.process_weights_after_loading()
-        model = staging.model.eval()
-        self._swap(model)
+            refresh_weights(self._serving(), staging.model)
+        self._refreshed()
         snapshot, self._snapshot = self._snapshot, None
         if snapshot is not None:
             snapshot.commit()
-        logger.info("weight update: %d tensors, post-processed and swapped in %.3f s",
+        logger.info("weight update: %d tensors, packed into the serving model in %.3f s",
                     staging.count, time.perf_counter() - start)
         return staging.count
 
@@ -305,6 +325,12 @@ class WeightUpdater:
         snapshot, self._snapshot = self._snapshot, None
         if snapshot is not None:
             snapshot.discard()
+
+    def release_staging(self) -> None:
+        """Drop the staging model (sleep level 2 frees the weights; the next round builds it
+        again)."""
+        self.abort()
+        self._staging_model = None
 
     def close(self) -> None:
         """Close the transport (idempotent)."""
@@ -340,3 +366,22 @@ def weight_checksum(model: torch.nn.Module) -> str:
         if isinstance(packed, torch.Tensor) and packed.layout == torch.strided:
             add(packed)
     return digest.hexdigest()
+
+
+def refresh_weights(serving: LlamaForCausalLM, loaded: LlamaForCausalLM) -> None:
+    """Rewrite `serving`'s weights in place from `loaded`, the same architecture with its
+    weights just loaded and not processed: each linear layer and the LM head repack into
+    their own panels (`ringserve.gpu.linear.refresh_layer`); every other parameter the
+    serving model keeps (norms, the embedding) is copied."""
+    pairs = zip(serving.named_modules(), loaded.named_modules(), strict=True)
+    for (name, mine), (other_name, theirs) in pairs:
+        if name != other_name:
+            raise RuntimeError(f"weight update: module {name!r} against {other_name!r}")
+        if isinstance(mine, ColumnParallelLinear | RowParallelLinear):
+            refresh_layer(mine, theirs)
+        elif isinstance(mine, ParallelLMHead):
+            mine.refresh_from(theirs)
+        else:
+            for pname, param in mine.named_parameters(recurse=False):
+                if param.numel():
+                    param.data.copy_(getattr(theirs, pname).data)

@@ -132,6 +132,8 @@ class Worker:
         self.runner.release_kv_cache()
         if level == 2:
             self.runner.release_model()
+            if self._updater is not None:
+                self._updater.release_staging()
         self._sleep_level = max(self._sleep_level, level)
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
@@ -160,7 +162,7 @@ class Worker:
         if self._updater is None:
             runner = self.runner
             self._updater = WeightUpdater(self.config, self.tp, self.device, runner.backend,
-                                          runner.swap_model)
+                                          lambda: self.runner.model, runner.capture_decode)
         return self._updater
 
     def init_weight_transfer_engine(self, init_info: dict[str, Any], worker_index: int,
@@ -257,8 +259,9 @@ class Worker:
 
 
 def _guard(call: Callable[[], Any]) -> list[Any]:
-    """[None, value] of `call()`, or ["Type: message", None] when it raised an Exception."""
+    """[None, value] of `call()`, or ["Type: message", None] when it refused the update
+    (`WeightUpdateError`: the old weights serve on). Anything else raises: an engine fault."""
     try:
         return [None, call()]
-    except Exception as exc:
+    except WeightUpdateError as exc:
         return [f"{type(exc).__name__}: {exc}", None]

@@ -276,3 +276,28 @@ def _no_leaked_segments() -> Iterator[None]:
     mine = f"ringserve-{os.getpid()}-"  # other runs on the machine make their own
     leaked = {n for n in set(os.listdir("/dev/shm")) - before if n.startswith(mine)}
     assert not leaked, leaked
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("quantization", ["int8", "int4"])
+def test_quantized_engine_requantizes_in_place(quantization: str, tiny_llama_dir: Path) -> None:
+    """A round of the checkpoint's own weights leaves a quantized engine's output unchanged
+    (the panels are requantized in place), and a round of other weights changes it."""
+    model = AutoModelForCausalLM.from_pretrained(str(tiny_llama_dir), dtype=torch.float32)
+    greedy = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    prompts = [{"prompt_token_ids": p} for p in PROMPTS]
+    with LLM(str(tiny_llama_dir), quantization=quantization,
+             weight_transfer_config={"backend": "shm"}, **ENGINE) as llm, \
+            TrainerWeightTransferEngine({"backend": "shm"}, llm) as trainer:
+        before = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)]
+        checksum = llm.collective_rpc("get_weight_checksum")
+        trainer.trainer_init(ModuleWeightSource(model))
+        trainer.send_weights("same")
+        assert llm.collective_rpc("get_weight_checksum") == checksum
+        again = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)]
+        assert again == before
+        with torch.no_grad():
+            model.lm_head.weight.mul_(-1.0)
+        trainer.send_weights("flipped")
+        flipped = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)]
+        assert flipped != before
