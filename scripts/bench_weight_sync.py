@@ -18,7 +18,7 @@ four requests in flight that continue afterwards (their KV is recomputed), targe
 memcpy time + 100 ms.
 
     .venv/bin/python scripts/bench_weight_sync.py [--shapes 135m,500m] [--backends shm,gloo]
-        [--rounds 3] [--threads 2]
+        [--rounds 3] [--threads 2] [--no-snapshot]
 """
 
 from __future__ import annotations
@@ -137,7 +137,7 @@ def bench(shape: str, backend: str, ns: argparse.Namespace, root: Path,
     from ringserve.weight_transfer import StateDictSource, TrainerWeightTransferEngine
 
     nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
-    config = {"backend": backend}
+    config = {"backend": backend, "snapshot": ns.snapshot}
     rounds: list[dict[str, float]] = []
     cycles: list[float] = []
     with LLM(str(shape_dir(root, shape)), device="cpu", load_format="dummy",
@@ -197,6 +197,9 @@ def main() -> int:
     p.add_argument("--backends", default="shm,gloo")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--snapshot", action=argparse.BooleanOptionalAction, default=True,
+                   help="the engine's on-disk snapshot of each round (weight transfer config "
+                   "`snapshot`; default on, as the engine's)")
     p.add_argument("--json", type=Path, default=None, help="also write the results here")
     ns = p.parse_args()
     torch.set_num_threads(ns.threads)

@@ -136,8 +136,10 @@ class WeightSyncMixin:
         self._check_enabled("start_weight_update")
         if metadata is not None and not isinstance(metadata, dict):
             raise WeightTransferError(f"metadata: expected a JSON object, got {metadata!r}")
-        self._round_snapshot = metadata is not None
-        snapshot = str(weight_snapshot.snapshot_dir(self.engine_index)) if metadata else None
+        transfer = self.config.weight_transfer_config
+        self._round_snapshot = metadata is not None and transfer is not None and transfer.snapshot
+        snapshot = (str(weight_snapshot.snapshot_dir(self.engine_index))
+                    if self._round_snapshot else None)
         self._phase("start_weight_update", metadata, snapshot)
         self._update_open = True
 
@@ -177,8 +179,8 @@ class WeightSyncMixin:
         self._phase("finish_weight_update")
         self._snapshot_current = self._round_snapshot
         if not self._snapshot_current:
-            logger.warning("engine core %d: weight version %r came without metadata: no "
-                           "snapshot, so a restart or a wake-up from sleep level 2 would load "
+            logger.warning("engine core %d: weight version %r has no snapshot (no metadata, or "
+                           "snapshot off): a restart or a wake-up from sleep level 2 would load "
                            "the start-up weights", self.engine_index, weight_version)
         recomputing = self.scheduler.invalidate_computed_kv()
         self.scheduler.reset_prefix_cache()

@@ -30,10 +30,15 @@ class WeightTransferConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=Tr
         bucket_bytes: the bytes one bucket (one `update_weights` call) carries: the size of a
             shm segment, or of the packed buffer one gloo / nccl broadcast sends. A tensor
             larger than this travels alone in a bucket of its own size.
+        snapshot: the engine keeps the last complete round on disk, so that a restart after
+            a fault (`retry`) or a wake-up from sleep level 2 serves it
+            (`ringserve.gpu.weight_snapshot`); costs one write of the round's bytes on TP
+            rank 0. Off: those load the start-up checkpoint again.
     """
 
     backend: Literal["shm", "gloo", "nccl"] = "shm"
     bucket_bytes: Annotated[int, msgspec.Meta(ge=MIN_BUCKET_BYTES, le=MAX_BUCKET_BYTES)] = 256 << 20
+    snapshot: bool = True
 
 
 def parse_weight_transfer_config(
