@@ -28,6 +28,7 @@ from ringserve.weight_transfer import (
 
 PROMPTS = [[5, 17, 42, 99, 7], [300, 301, 302]]
 TARGET = [11, 12, 13, 14]  # the completion the training loop pushes the model toward
+KEPT_TOKENS = 120
 ENGINE = {"device": "cpu", "kv_cache_memory": 16 << 20, "max_num_seqs": 8,
           "max_num_batched_tokens": 64, "max_model_len": 256}
 
@@ -116,12 +117,13 @@ def test_request_kept_across_an_update_reports_both_versions(tiny_llama_dir: Pat
     with LLM(str(tiny_llama_dir), weight_transfer_config={"backend": "shm"}, **ENGINE) as llm, \
             TrainerWeightTransferEngine({"backend": "shm"}, llm) as trainer:
         trainer.trainer_init(ModuleWeightSource(model))
-        _engine_request(llm, "kept", PROMPTS[0], 12)
+        # Long enough that it cannot finish before the pause: the core runs on by itself.
+        _engine_request(llm, "kept", PROMPTS[0], KEPT_TOKENS)
         first = _run_until(llm, "kept", 4).outputs[0].token_ids
+        llm.pause("keep")
         with torch.no_grad():
             for p in model.parameters():
                 p.mul_(0.9)  # different weights, still a sane model
-        llm.pause("keep")
         trainer.send_weights("v1")
         llm.resume()
         final = _run_until(llm, "kept", None).outputs[0]
@@ -131,7 +133,7 @@ def test_request_kept_across_an_update_reports_both_versions(tiny_llama_dir: Pat
     assert spans[0] == (None, 0) and spans[-1][0] == "v1" and len(spans) == 2
     cut = spans[1][1]
     assert cut >= k
-    expected, _ = _hf_greedy(model, PROMPTS[0] + final.token_ids[:cut], 12 - cut)
+    expected, _ = _hf_greedy(model, PROMPTS[0] + final.token_ids[:cut], KEPT_TOKENS - cut)
     assert final.token_ids[cut:] == expected
 
 
