@@ -65,6 +65,15 @@ LONG = {
         "the other bench-script tests",
     "tests/shm/test_shm_processes.py::test_million_checksummed_frames_two_processes":
         "the ring's other two-process tests",
+    "tests/http/test_http_server.py::test_tensor_of_the_wrong_shape_is_one_line_and_exit_one":
+        "test_http_server.py::test_port_in_use_is_one_line",
+    "tests/http/test_http_server.py::test_tls_negotiates_h2_by_alpn": "the h2c tests",
+    "tests/engine/structured/test_constrained_generation.py::"
+    "test_mixed_batch_on_the_null_model_with_the_rings": "the other constrained-generation tests",
+    "tests/gpu/test_family_parity.py::test_tp2_matches_transformers_for_each_family":
+        "test_llm.py::test_mp_executor_tensor_parallel_matches_transformers[2]",
+    "tests/engine/test_fault_tolerance.py::test_auto_retry_recovers_without_an_instruction":
+        "test_worker_death_then_retry_then_abort",
 }
 
 
