@@ -24,7 +24,6 @@ import weakref
 from collections.abc import Sequence
 from typing import Any
 
-from ringserve.config import EngineConfig
 from ringserve.engine.arg_utils import DEMO_MODEL, EngineArgs
 from ringserve.engine.errors import EngineDeadError
 from ringserve.engine.fault_tolerance import check_instruction
@@ -80,12 +79,6 @@ class LLM(SyncRLMethods):
         """The SamplingParams `generate` uses when given none: the model's generation config
         (`--generation-config`, as vLLM does), else SamplingParams' own defaults."""
         return default_sampling_params(self.llm_engine.config.model_config.generation_defaults)
-
-    def _utility(self, method: str, *args: Any) -> Any:
-        return self.llm_engine.call_utility(method, *args)
-
-    def _config(self) -> EngineConfig:
-        return self.llm_engine.config
 
     def sleep(self, level: int = 1) -> None:
         """Free memory while idle: level 1 the KV cache, level 2 also the weights."""

@@ -20,11 +20,15 @@ Requests that arrive while paused are held and start on `resume()`.
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, Any
 
 import trio
 
 from ringserve.config import EngineConfig
+
+if TYPE_CHECKING:
+    from ringserve.engine.llm_engine import LLMEngine
 
 PAUSE_MODES = ("abort", "keep", "wait")
 
@@ -48,10 +52,12 @@ def check_pause_mode(mode: object) -> str:
 
 
 class SyncRLMethods:
-    """For `LLM` (which provides `_utility`: one call to its engine core)."""
+    """For `LLM` (its `llm_engine` calls the engine core's utilities)."""
+
+    llm_engine: LLMEngine
 
     def _utility(self, method: str, *args: Any) -> Any:
-        raise NotImplementedError
+        return self.llm_engine.call_utility(method, *args)
 
     def pause(self, mode: str = "abort") -> None:
         """Stop generating (see the module docstring for the modes).
@@ -90,10 +96,7 @@ class SyncRLMethods:
     def get_world_size(self, include_dp: bool = True) -> int:
         """The engine's workers: TP x DP (without DP: TP), as vLLM's `/get_world_size`; a
         gloo / NCCL trainer group has this many members plus the trainer."""
-        return world_size(self._config(), include_dp)
-
-    def _config(self) -> EngineConfig:
-        raise NotImplementedError
+        return world_size(self.llm_engine.config, include_dp)
 
     def get_weight_version(self) -> str | None:
         """The version of the weights being served (None: the start-up weights)."""
@@ -113,9 +116,7 @@ class AsyncRLMethods:
 
     output_processor: Any
     config: EngineConfig
-
-    async def call_utility(self, method: str, *args: Any) -> list[Any]:
-        raise NotImplementedError
+    call_utility: Callable[..., Awaitable[list[Any]]]  # AsyncLLM's
 
     async def pause(self, mode: str = "abort") -> None:
         """Stop generating on every core (see the module docstring); with "wait", returns
