@@ -29,6 +29,9 @@ SUPPORTED_ARCHITECTURES: tuple[str, ...] = (
     "Gemma3ForCausalLM",
     "Gemma3ForConditionalGeneration",  # served as text only
     "Phi3ForCausalLM",
+    "Qwen3MoeForCausalLM",
+    "Qwen2MoeForCausalLM",
+    "MixtralForCausalLM",
 )
 
 
@@ -267,11 +270,30 @@ class ParallelConfig:
     tensor_parallel_size: int = 1
     data_parallel_size: int = 1
     distributed_executor_backend: ExecutorBackend = "uni"
+    # Experts partitioned over the TP x DP workers instead of sliced over the TP ranks.
+    enable_expert_parallel: bool = False
+    # Set per engine core at start-up: its data-parallel rank, and the port of the
+    # frontend's TCPStore that the cores and workers of a lockstep deployment meet at.
+    data_parallel_rank: int = 0
+    data_parallel_master_port: int = 0
 
     @property
     def world_size(self) -> int:
         """Workers per engine core (tensor parallel ranks)."""
         return self.tensor_parallel_size
+
+    @property
+    def expert_parallel_size(self) -> int:
+        """Ranks the experts are partitioned over (1: no expert parallelism)."""
+        if not self.enable_expert_parallel:
+            return 1
+        return self.tensor_parallel_size * self.data_parallel_size
+
+    @property
+    def lockstep(self) -> bool:
+        """The engine cores step together (expert parallelism across data-parallel ranks:
+        every MoE layer is a collective over all of them)."""
+        return self.enable_expert_parallel and self.data_parallel_size > 1
 
 
 @dataclass(frozen=True, slots=True)

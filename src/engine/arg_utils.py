@@ -68,6 +68,7 @@ class EngineArgs:
     long_prefill_token_threshold: int = 0
     tensor_parallel_size: int = 1
     data_parallel_size: int = 1
+    enable_expert_parallel: bool = False
     distributed_executor_backend: str | None = None
     gpu_memory_utilization: float = 0.92
     kv_cache_memory: int | None = None
@@ -173,6 +174,7 @@ class EngineArgs:
                 tensor_parallel_size=self.tensor_parallel_size,
                 data_parallel_size=self.data_parallel_size,
                 distributed_executor_backend=self._executor_backend(),
+                enable_expert_parallel=self.enable_expert_parallel,
             ),
             device_config=DeviceConfig(device=_resolve_device(self.device)),
             observability_config=ObservabilityConfig(
@@ -429,6 +431,10 @@ _FLAG_SPECS: tuple[_FlagSpec, ...] = (
     _FlagSpec("long_prefill_token_threshold", "cap of one prompt chunk (0: off)", int),
     _FlagSpec("tensor_parallel_size", "tensor parallel ranks", int, aliases=("-tp",)),
     _FlagSpec("data_parallel_size", "engine cores (data parallel ranks)", int, aliases=("-dp",)),
+    _FlagSpec("enable_expert_parallel", "partition the experts of MoE models over the "
+              "TP x DP workers (tokens go to their expert's rank and back by all-to-all; "
+              "with DP > 1 the engine cores step in lockstep) instead of slicing every "
+              "expert over the TP ranks", boolean=True, aliases=("-ep",)),
     _FlagSpec("distributed_executor_backend", "executor", str, ("uni", "mp", "ray")),
     _FlagSpec("gpu_memory_utilization", "fraction of GPU memory to use", float),
     _FlagSpec("kv_cache_memory", "KV cache size in bytes (e.g. 1G, 512MiB)", parse_bytes),

@@ -24,6 +24,7 @@ the core is crash-looping (restarted `RINGSERVE_CORE_RESTART_LIMIT` times within
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import os
@@ -75,6 +76,15 @@ class AsyncMPClient:
     """
 
     def __init__(self, config: EngineConfig, executor: str = "default") -> None:
+        # A lockstep deployment (experts over several cores) meets in a store served here,
+        # by the process that outlives its cores (`ringserve.engine.dp_wave`).
+        self._store: Any = None
+        if config.parallel_config.lockstep:
+            from ringserve.gpu.parallel import serve_store  # torch, only for this deployment
+
+            self._store = serve_store()
+            config = dataclasses.replace(config, parallel_config=dataclasses.replace(
+                config.parallel_config, data_parallel_master_port=int(self._store.port)))
         self.config = config
         self.num_engines = config.parallel_config.data_parallel_size
         # Built first: a bad budget setting fails the start before any socket exists.
@@ -481,12 +491,15 @@ class AsyncMPClient:
             return
         self._closed = True
         self.mark_dead("the engine was shut down")
+        for proc in self.processes:  # all at once: lockstep cores wait on each other
+            proc.signal_stop()
         for proc in self.processes:
             proc.terminate()
         self.input_sock.close(linger=0)
         self.output_sock.close(linger=0)
         self.ctx.term()
         shutil.rmtree(self._dir, ignore_errors=True)
+        self._store = None  # stops serving
 
 
 def _remove_dead_segments() -> None:

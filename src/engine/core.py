@@ -241,6 +241,15 @@ class EngineCore(WeightSyncMixin):
         timings["steps"] += 1
         return self._stamp(outputs), True
 
+    def dummy_pass(self) -> None:
+        """This core's part of a lockstep step without a batch (`ringserve.engine.dp_wave`):
+        every worker takes part in the MoE layers' exchanges with no token.
+
+        Raises:
+            ExecutorError: a worker died or failed (an engine fault).
+        """
+        self.executor.collective_rpc("dummy_pass", timeout=self.step_timeout)
+
     def _stamp(self, outputs: dict[int, EngineCoreOutputs]) -> dict[int, EngineCoreOutputs]:
         """Mark each batch with the weight version its tokens were generated with."""
         version = self.weight_version

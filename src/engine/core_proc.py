@@ -25,6 +25,7 @@ the core itself).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import os
 import queue
@@ -41,6 +42,7 @@ import zmq
 
 from ringserve.config import EngineConfig
 from ringserve.engine.core import EngineCore
+from ringserve.engine.dp_wave import WaveSync
 from ringserve.engine.sentinel import FaultInstruction, FaultSentinel, describe
 from ringserve.engine.wire import (
     DEAD_CALL_ID,
@@ -80,6 +82,14 @@ class _Wake:
 
 
 _WAKE = _Wake()
+
+
+class _WaveStarted:
+    """Put in the input queue by the lockstep watcher: wave `number` has started on some
+    core (`ringserve.engine.dp_wave`)."""
+
+    def __init__(self, number: int) -> None:
+        self.number = number
 
 
 class _Shutdown(BaseException):
@@ -140,10 +150,15 @@ class EngineCoreProc:
     def __init__(self, config: EngineConfig, engine_index: int, input_addr: str,
                  output_addr: str, executor_class: type[Executor] | None = None,
                  on_output_failure: Callable[[], None] | None = None) -> None:
+        if config.parallel_config.lockstep:  # the workers' EP ranks follow from it
+            config = dataclasses.replace(config, parallel_config=dataclasses.replace(
+                config.parallel_config, data_parallel_rank=engine_index))
         self.config = config
         self.engine_index = engine_index
         self.ctx = zmq.Context(io_threads=1)
-        self.input_queue: queue.Queue[CoreInput | _ExecutorFailed | _Wake] = queue.Queue()
+        self.input_queue: queue.Queue[CoreInput | _ExecutorFailed | _Wake | _WaveStarted] = (
+            queue.Queue())
+        self.waves: WaveSync | None = None
         # Unbounded on purpose: the busy loop must never block on output; the output thread
         # sends as fast as the socket allows and zmq's own high-water mark applies behind it.
         self.output_queue: queue.Queue[Any] = queue.Queue()
@@ -237,6 +252,12 @@ class EngineCoreProc:
             self.output_queue.put(HandshakeReply(ready=False, error=describe(exc),
                                                  engine_index=self.engine_index))
             return False
+        parallel = self.config.parallel_config
+        if parallel.lockstep:
+            timeout = self.config.fault_tolerance_config.execute_model_timeout_s or 300.0
+            self.waves = WaveSync(self.engine_index, parallel.data_parallel_size,
+                                  parallel.data_parallel_master_port, timeout,
+                                  lambda n: self.input_queue.put(_WaveStarted(n)))
         self.watch_executor()
         self.output_queue.put(HandshakeReply(
             ready=True, num_blocks=self.core.num_blocks,
@@ -256,6 +277,8 @@ class EngineCoreProc:
         core = self.core
         if core is None:
             raise RuntimeError("start_core() must succeed before run_busy_loop()")
+        if self.waves is not None:
+            self._run_lockstep(core, self.waves)
         use_queue = core.batch_queue_size > 1
         while True:
             self._drain_inputs(block=not core.has_work())
@@ -263,6 +286,20 @@ class EngineCoreProc:
                 outputs, _ = core.step_with_batch_queue()
             else:
                 outputs, _ = core.step()
+            if outputs:
+                for client_outputs in outputs.values():
+                    self.output_queue.put(client_outputs)
+
+    def _run_lockstep(self, core: EngineCore, waves: WaveSync) -> None:
+        """The busy loop of a lockstep deployment (see `ringserve.engine.dp_wave`): within a
+        wave, a consensus step, then a real step or a dummy pass, on every core alike."""
+        while True:
+            self._drain_inputs(block=not (core.has_work() or waves.wants_to_run()))
+            if not waves.enter(core.has_work()) or not waves.any_work(core.has_work()):
+                continue
+            outputs, ran = core.step()
+            if not ran:
+                core.dummy_pass()
             if outputs:
                 for client_outputs in outputs.values():
                     self.output_queue.put(client_outputs)
@@ -277,11 +314,15 @@ class EngineCoreProc:
                 return
             self._handle(message)
 
-    def _handle(self, message: CoreInput | _ExecutorFailed | _Wake) -> None:
+    def _handle(self, message: CoreInput | _ExecutorFailed | _Wake | _WaveStarted) -> None:
         core = self.core
         assert core is not None  # run_busy_loop checked it
         if message is _WAKE:
             return  # a grammar compiled: the loop's next step admits its request
+        if isinstance(message, _WaveStarted):
+            if self.waves is not None:
+                self.waves.note_wake(message.number)
+            return
         if isinstance(message, _ExecutorFailed):
             if message.executor is core.executor:
                 raise message.error  # an engine fault: the sentinel handles it

@@ -126,6 +126,11 @@ class CoreProcess:
             return f"killed by signal {signal.Signals(-code).name}"
         return f"exited with status {code}"
 
+    def signal_stop(self) -> None:
+        """SIGTERM without waiting (stopping several cores at once: `terminate` then waits)."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+
     def terminate(self, timeout: float = 10.0) -> None:
         """SIGTERM, wait up to `timeout`, then SIGKILL; cuts the lifeline; idempotent."""
         if self.proc.poll() is None:

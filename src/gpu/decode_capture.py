@@ -31,7 +31,7 @@ import torch
 
 from ringserve.gpu.attention import cpu_native
 from ringserve.gpu.input_prep import StepInputs
-from ringserve.gpu.models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaModel
+from ringserve.gpu.models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP, LlamaModel
 from ringserve.gpu.norm import RMSNorm
 from ringserve.gpu.panel_native import PanelWeight, RsWeight
 
@@ -185,8 +185,10 @@ def _data(norm: RMSNorm) -> int:
 
 
 def _panels(layer: LlamaDecoderLayer) -> list[PanelWeight]:
-    linears = (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
-               layer.mlp.down_proj)
+    mlp = layer.mlp
+    assert isinstance(mlp, LlamaMLP)  # checked by _unsupported
+    linears = (layer.self_attn.qkv_proj, layer.self_attn.o_proj, mlp.gate_up_proj,
+               mlp.down_proj)
     panels = [linear.panel for linear in linears]
     assert all(p is not None for p in panels)  # checked by _unsupported
     return [p for p in panels if p is not None]
@@ -216,10 +218,13 @@ def _unsupported(library: ctypes.CDLL | None, model: LlamaForCausalLM,
     norms: list[RMSNorm | None] = [stack.norm]
     for layer in layers:
         a = layer.self_attn
+        mlp = layer.mlp
+        if not isinstance(mlp, LlamaMLP):
+            return "a mixture-of-experts (or other non-dense) feed-forward layer"
         if a.logits_soft_cap is not None:
             return "attention logit soft-capping"
         if any(getattr(lin, "panel", None) is None
-               for lin in (a.qkv_proj, a.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)):
+               for lin in (a.qkv_proj, a.o_proj, mlp.gate_up_proj, mlp.down_proj)):
             return "a linear layer without panel weights"
         norms += [layer.input_layernorm, layer.post_attention_layernorm, a.q_norm, a.k_norm]
     eps = layers[0].input_layernorm.eps

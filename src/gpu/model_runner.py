@@ -153,6 +153,12 @@ class ModelRunner:
         else:
             logger.info("decode steps run eagerly: %s", self.capture_reason)
 
+    def dummy_pass(self) -> None:
+        """The model's expert-parallel exchanges with no token (a no-op for dense models)."""
+        dummy = getattr(self._model, "dummy_pass", None)
+        if dummy is not None:
+            dummy()
+
     def release_kv_cache(self) -> None:
         """Drop the KV cache tensors and every request's state (sleep)."""
         self.kv_caches = []
@@ -188,6 +194,8 @@ class ModelRunner:
             if r in self.table.requests and r not in self.request_errors
         ]
         if not req_ids:
+            if self.config.parallel_config.lockstep:
+                self.dummy_pass()  # the other cores' forwards wait for this one's exchanges
             empty = _ForwardDone(scheduler_output.step_id, None, None, None)
             if scheduler_output.grammar_req_ids:
                 self._awaiting_grammar = empty  # its grammar still comes: answer that

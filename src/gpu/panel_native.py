@@ -1,6 +1,7 @@
 """The CPU matmul library: weights in panels of 16 output channels (`panel.h`), read by the
-float32 kernel (`panel_f32.c`), the int8 / int4 kernels (`panel_quant.c`) and the fused decode
-step (`decode_step.c`), which are built together into one shared object on first use.
+float32 kernel (`panel_f32.c`), the int8 / int4 kernels (`panel_quant.c`), the fused decode
+step (`decode_step.c`) and the mixture-of-experts SwiGLU experts (`moe/moe_cpu.c`), which are
+built together into one shared object on first use.
 
 The linear layers (`ringserve.gpu.linear`, `ringserve.gpu.quant`) keep a `PanelWeight` instead
 of a plain or oneDNN-packed weight and call `linear`; the fused decode step
@@ -29,7 +30,7 @@ logger = logging.getLogger(__name__)
 
 _DIR = Path(__file__).parent
 SOURCES = (_DIR / "panel_f32.c", _DIR / "panel_quant.c", _DIR / "decode_step.c",
-           _DIR / "attention" / "cpu_decode.c")
+           _DIR / "attention" / "cpu_decode.c", _DIR / "moe" / "moe_cpu.c")
 HEADERS = (_DIR / "panel.h", _DIR / "fast_exp.h", _DIR / "attention" / "cpu_decode.h")
 
 PANEL = 16  # output channels per panel (RS_PANEL)
@@ -185,6 +186,7 @@ def _load() -> ctypes.CDLL | None:
     library.rs_linear.argtypes = [ptr, ptr, i64, ptr, ctypes.c_int]
     library.rs_linear.restype = ctypes.c_int
     _declare_step(library)
+    _declare_moe(library)
     return library
 
 
@@ -195,3 +197,10 @@ def _declare_step(library: ctypes.CDLL) -> None:
     library.rs_decode_step.restype = ctypes.c_int
     library.rs_step_work_floats.argtypes = [ptr, ctypes.c_int64]
     library.rs_step_work_floats.restype = ctypes.c_int64
+
+
+def _declare_moe(library: ctypes.CDLL) -> None:
+    """The SwiGLU experts' signature (moe/moe_cpu.c, called by ringserve.gpu.moe.cpu_experts)."""
+    i64, ptr = ctypes.c_int64, ctypes.c_void_p
+    library.rs_moe_swiglu.argtypes = [ptr, ptr, i64, ptr, ptr, i64, ptr, ptr, ctypes.c_int]
+    library.rs_moe_swiglu.restype = ctypes.c_int

@@ -9,6 +9,7 @@ a single-device run pays nothing for tensor parallelism.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -72,3 +73,31 @@ def init_tp_group(rank: int, world_size: int, *, backend: str, init_method: str)
     if not dist.is_initialized():
         dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size)
     return TPGroup(rank=rank, world_size=world_size, group=dist.group.WORLD)
+
+
+# The frontend's store for groups that span engine cores (expert parallelism across
+# data-parallel ranks: `ringserve.engine.dp_wave`, `ringserve.gpu.moe.dispatch`).
+STORE_HOST = "127.0.0.1"
+
+
+def serve_store() -> Any:
+    """A TCPStore served on a free loopback port (its `.port` goes to the engine cores)."""
+    from torch._C._distributed_c10d import TCPStore
+
+    return TCPStore(STORE_HOST, 0, is_master=True, wait_for_workers=False,
+                    timeout=timedelta(seconds=300))
+
+
+def connect_store(port: int, timeout_s: float) -> Any:
+    """A client of the store served by `serve_store` on `port`."""
+    from torch._C._distributed_c10d import TCPStore
+
+    return TCPStore(STORE_HOST, port, is_master=False, timeout=timedelta(seconds=timeout_s))
+
+
+def gloo_group(store: Any, prefix: str, rank: int, size: int, timeout_s: float) -> Any:
+    """A standalone gloo process group of `size` ranks meeting under `prefix` in `store`
+    (raw `ProcessGroup` API: `allreduce`, `alltoall_base`)."""
+    from torch._C._distributed_c10d import PrefixStore, ProcessGroupGloo
+
+    return ProcessGroupGloo(PrefixStore(prefix, store), rank, size, timedelta(seconds=timeout_s))

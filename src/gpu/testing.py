@@ -47,7 +47,8 @@ class TinyModelSpec:
 
     Attributes:
         arch: "llama", "mistral", "qwen2" (qkv bias), "qwen3" (q/k norm), "gemma2",
-            "gemma3" (text) or "phi3" (fused projections).
+            "gemma3" (text), "phi3" (fused projections), or the mixtures of experts
+            "qwen3_moe", "qwen2_moe" and "mixtral" (expert settings in `extra_config`).
         hidden_size, intermediate_size, num_hidden_layers, num_attention_heads,
         num_key_value_heads, head_dim (None: hidden_size // heads): the model's shape.
         vocab_size: the embedding rows (>= the tokenizer's vocabulary).
@@ -91,6 +92,17 @@ PRESETS: dict[str, TinyModelSpec] = {
     "mistral": TinyModelSpec(arch="mistral"),
     "qwen2": TinyModelSpec(arch="qwen2", tie_word_embeddings=True),
     "qwen3": TinyModelSpec(arch="qwen3", head_dim=32),
+    # mixtures of experts: 8 experts, top-2; a dense layer among the sparse ones for the Qwen
+    # families (mlp_only_layers / decoder_sparse_step), a gated shared expert for Qwen2-MoE
+    "qwen3moe": TinyModelSpec(arch="qwen3_moe", head_dim=32, num_hidden_layers=3, extra_config=(
+        '{"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 48, '
+        '"norm_topk_prob": true, "mlp_only_layers": [1]}')),
+    "qwen2moe": TinyModelSpec(arch="qwen2_moe", num_hidden_layers=3, extra_config=(
+        '{"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 48, '
+        '"shared_expert_intermediate_size": 96, "norm_topk_prob": false, '
+        '"decoder_sparse_step": 2}')),
+    "mixtral": TinyModelSpec(arch="mixtral", extra_config=(
+        '{"num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": null}')),
     # The three below cross their 8-token sliding windows within a test prompt. Gemma's head
     # size differs from hidden / heads and from query_pre_attn_scalar, and its soft-caps are
     # small enough to bend the scores and logits of these weights.
@@ -123,7 +135,7 @@ def tiny_model(preset: str = "llama", **overrides: Any) -> Path:
 
     Args:
         preset: a key of PRESETS ("demo", "llama", "mistral", "qwen2", "qwen3", "gemma2",
-            "gemma3", "phi3", "phi4mini").
+            "gemma3", "phi3", "phi4mini", "qwen3moe", "qwen2moe", "mixtral").
         **overrides: TinyModelSpec fields to change (e.g. seed=1, num_hidden_layers=3).
 
     Raises:
@@ -211,13 +223,17 @@ def _hf_config(spec: TinyModelSpec, *, bos: int, eos: int, pad: int) -> Any:
         Gemma3TextConfig,
         LlamaConfig,
         MistralConfig,
+        MixtralConfig,
         Phi3Config,
         Qwen2Config,
+        Qwen2MoeConfig,
         Qwen3Config,
+        Qwen3MoeConfig,
     )
 
     classes: dict[str, Any] = {
         "llama": LlamaConfig, "mistral": MistralConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config,
+        "qwen3_moe": Qwen3MoeConfig, "qwen2_moe": Qwen2MoeConfig, "mixtral": MixtralConfig,
         "gemma2": Gemma2Config, "gemma3": Gemma3TextConfig, "phi3": Phi3Config,
     }
     kwargs: dict[str, Any] = dict(
@@ -250,14 +266,19 @@ def _model_class(arch: str) -> Any:
         Gemma3ForCausalLM,
         LlamaForCausalLM,
         MistralForCausalLM,
+        MixtralForCausalLM,
         Phi3ForCausalLM,
         Qwen2ForCausalLM,
+        Qwen2MoeForCausalLM,
         Qwen3ForCausalLM,
+        Qwen3MoeForCausalLM,
     )
 
     classes: dict[str, Any] = {
         "llama": LlamaForCausalLM, "mistral": MistralForCausalLM,
         "qwen2": Qwen2ForCausalLM, "qwen3": Qwen3ForCausalLM,
+        "qwen3_moe": Qwen3MoeForCausalLM, "qwen2_moe": Qwen2MoeForCausalLM,
+        "mixtral": MixtralForCausalLM,
         "gemma2": Gemma2ForCausalLM, "gemma3": Gemma3ForCausalLM, "phi3": Phi3ForCausalLM,
     }
     if arch not in classes:

@@ -23,6 +23,7 @@ from ringserve.config import EngineConfig
 from ringserve.gpu.attention.backend import BackendName
 from ringserve.gpu.input_prep import prepare_inputs
 from ringserve.gpu.model_runner import ModelRunner
+from ringserve.gpu.moe.dispatch import init_ep_group, set_ep_group
 from ringserve.gpu.parallel import TPGroup, init_tp_group
 from ringserve.gpu.weight_update import WeightUpdateError, WeightUpdater, weight_checksum
 from ringserve.gpu.wire import GrammarOutput, ModelRunnerOutput, NewRequestData, SchedulerOutput
@@ -84,6 +85,12 @@ class Worker:
             self.rank, self.config.parallel_config.tensor_parallel_size,
             backend=backend, init_method=self.distributed_init_method,
         )
+        set_ep_group(init_ep_group(self.config.parallel_config, self.tp, backend))
+
+    def dummy_pass(self) -> None:
+        """Take part in the MoE layers' expert-parallel exchanges with no token (this core has
+        nothing to run while another core of a lockstep deployment does)."""
+        self.runner.dummy_pass()
 
     def load_model(self) -> None:
         """Build the runner and load the weights onto the device."""

@@ -12,16 +12,22 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
-import socket
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from gpu_helpers import make_runner
+from gpu_helpers import (
+    PARITY_REQ_IDS,
+    assert_matches_hf,
+    free_port,
+    hf_greedy,
+    make_runner,
+    parity_prompts,
+    run_parity,
+)
 from runner_driver import ToyScheduler
 
 from ringserve.config import ModelConfig
@@ -31,49 +37,23 @@ from ringserve.gpu.models.gemma import GemmaSpec
 from ringserve.gpu.models.registry import model_class
 from ringserve.gpu.parallel import TPGroup
 from ringserve.gpu.testing import tiny_model
-from ringserve.sampling_params import SamplingParams
 
 FAMILIES = ("gemma2", "gemma3", "phi3", "phi4mini")
 NEW_TOKENS = 8
-GREEDY = SamplingParams(temperature=0.0, min_tokens=NEW_TOKENS, max_tokens=NEW_TOKENS, logprobs=3)
-
-
-def _prompts() -> list[list[int]]:
-    gen = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(3, 8000, (n,), generator=gen).tolist() for n in (5, 17, 33, 2)]
-    shared = prompts[2][:24] + torch.randint(3, 8000, (6,), generator=gen).tolist()
-    return [*prompts, shared]
 
 
 @functools.cache
 def _expected(family: str) -> list[tuple[list[int], torch.Tensor]]:
     """transformers' greedy tokens and per-step log-softmax for each prompt."""
-    from transformers import AutoModelForCausalLM
-
-    hf = AutoModelForCausalLM.from_pretrained(str(tiny_model(family)), dtype=torch.float32).eval()
-    expected = []
-    for prompt in _prompts():
-        out = hf.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=NEW_TOKENS,
-                          min_new_tokens=NEW_TOKENS, output_logits=True, return_dict_in_generate=True)
-        logprobs = torch.stack(out.logits, dim=1)[0].float().log_softmax(-1)
-        expected.append((out.sequences[0, len(prompt):].tolist(), logprobs))
-    return expected
+    return hf_greedy(tiny_model(family), NEW_TOKENS)
 
 
 def _run(model_dir: Path, backend: BackendName = "torch", tp: TPGroup | None = None) -> ToyScheduler:
     """Four prompts chunked under a 16-token budget, then one sharing 24 cached tokens."""
-    sched = ToyScheduler(make_runner(model_dir, backend=backend, tp=tp), budget=16)
-    *prompts, shared = _prompts()
-    for i, prompt in enumerate(prompts):
-        sched.add(f"r{i}", prompt, GREEDY, NEW_TOKENS)
-    sched.run()
-    sched.add("shared", shared, GREEDY, NEW_TOKENS)
-    assert sched.prefix_hits == 1 and sched.running[0].num_computed == 24
-    sched.run()
-    return sched
+    return run_parity(make_runner(model_dir, backend=backend, tp=tp), NEW_TOKENS)
 
 
-REQ_IDS = ("r0", "r1", "r2", "r3", "shared")
+REQ_IDS = PARITY_REQ_IDS
 
 
 # The CPU default (the C decode kernel, torch for prefill chunks) for every family, and the
@@ -85,16 +65,8 @@ def test_family_greedy_parity(family: str, backend: BackendName) -> None:
     torch.set_num_threads(2)
     if backend == "cpu" and cpu_native.load_kernel() is None:
         backend = "torch"  # no cc/OpenMP here: the reference covers the family instead
-    expected = _expected(family)
-    sched = _run(tiny_model(family), backend)
-    for req_id, (tokens, hf_logprobs) in zip(REQ_IDS, expected, strict=True):
-        req = sched.done[req_id]
-        assert req.output == tokens, req_id
-        ours = np.stack([lp.logprobs for lp in req.logprobs])
-        ids = np.stack([lp.token_ids for lp in req.logprobs])
-        # The final soft-cap shows here: the logprobs are those of the capped logits.
-        ref = hf_logprobs.gather(1, torch.from_numpy(ids).long()).numpy()
-        np.testing.assert_allclose(ours, ref, atol=1e-4)
+    # The final soft-cap shows in the logprobs: they are those of the capped logits.
+    assert_matches_hf(_run(tiny_model(family), backend), _expected(family))
 
 
 # Phi-4-mini stands for Phi-3 here: the same class and fused-checkpoint split, plus its tied
@@ -118,18 +90,12 @@ def _rank_main(rank: int, port: int, out_path: str) -> None:
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @pytest.mark.slow
 def test_tp2_matches_transformers_for_each_family(tmp_path: Path) -> None:
     for family in TP_FAMILIES:
         tiny_model(family)  # built here, not raced for by the two ranks
     out = tmp_path / "tokens.json"
-    mp.spawn(_rank_main, args=(_free_port(), str(out)), nprocs=2, join=True)
+    mp.spawn(_rank_main, args=(free_port(), str(out)), nprocs=2, join=True)
     got = json.loads(out.read_text())
     for family in TP_FAMILIES:
         want = {r: tokens for r, (tokens, _) in zip(REQ_IDS, _expected(family), strict=True)}
@@ -188,7 +154,7 @@ def test_mistral_sliding_window_parity(tiny_mistral_dir: Path, tmp_path: Path) -
     (model_dir / "config.json").write_text(json.dumps(config))
     hf = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
     sched = _run(model_dir, "cpu" if cpu_native.load_kernel() is not None else "torch")
-    for req_id, prompt in zip(REQ_IDS, _prompts(), strict=True):
+    for req_id, prompt in zip(REQ_IDS, parity_prompts(), strict=True):
         out = hf.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=NEW_TOKENS,
                           min_new_tokens=NEW_TOKENS)
         assert sched.done[req_id].output == out[0, len(prompt):].tolist(), req_id

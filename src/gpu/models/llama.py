@@ -10,7 +10,7 @@ the types stay precise (torch's `Module.__call__` returns Any); no hooks are use
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Protocol
 
 import torch
@@ -121,15 +121,30 @@ class LlamaMLP(nn.Module):
         return self.down_proj.forward(F.silu(gate) * up)
 
 
+class FeedForward(Protocol):
+    """A decoder layer's feed-forward block: the dense `LlamaMLP` or a mixture of experts
+    (`ringserve.gpu.models.moe`)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """The block's output for `x` [T, hidden]."""
+        ...
+
+
+# layer index -> that layer's feed-forward block (None: the dense LlamaMLP)
+MlpFactory = Callable[[int], "FeedForward | None"]
+
+
 class LlamaDecoderLayer(nn.Module):
-    """Pre-norm attention and MLP blocks with residual connections."""
+    """Pre-norm attention and MLP blocks with residual connections (`mlp`: another
+    feed-forward block than the dense MLP, e.g. a mixture of experts)."""
 
     def __init__(
-        self, spec: DecoderSpec, tp: TPGroup, backend: AttentionBackend, rotary: RotaryEmbedding
+        self, spec: DecoderSpec, tp: TPGroup, backend: AttentionBackend, rotary: RotaryEmbedding,
+        mlp: FeedForward | None = None,
     ) -> None:
         super().__init__()
         self.self_attn = LlamaAttention(spec, tp, backend, rotary)
-        self.mlp = LlamaMLP(spec, tp)
+        self.mlp: FeedForward = mlp if mlp is not None else LlamaMLP(spec, tp)
         self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, spec.dtype)
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, spec.dtype)
 
@@ -149,16 +164,20 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    """Embedding, decoder layers and the final norm."""
+    """Embedding, decoder layers and the final norm (`mlp_for_layer`: a layer's own
+    feed-forward block, for mixtures of experts; None or a None result: the dense MLP)."""
 
-    def __init__(self, spec: DecoderSpec, tp: TPGroup, backend: AttentionBackend) -> None:
+    def __init__(self, spec: DecoderSpec, tp: TPGroup, backend: AttentionBackend,
+                 mlp_for_layer: MlpFactory | None = None) -> None:
         super().__init__()
         self.rotary = RotaryEmbedding(spec.head_dim, spec.max_position, spec.rope)
         self.embed_tokens = VocabParallelEmbedding(
             spec.vocab_size, spec.hidden_size, tp=tp, dtype=spec.dtype
         )
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(spec, tp, backend, self.rotary) for _ in range(spec.num_layers)
+            LlamaDecoderLayer(spec, tp, backend, self.rotary,
+                              mlp_for_layer(i) if mlp_for_layer is not None else None)
+            for i in range(spec.num_layers)
         )
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, spec.dtype)
 

@@ -14,6 +14,11 @@ from ringserve.gpu.models.gemma import (
 )
 from ringserve.gpu.models.llama import LlamaForCausalLM
 from ringserve.gpu.models.mistral import MistralForCausalLM
+from ringserve.gpu.models.moe import (
+    MixtralForCausalLM,
+    Qwen2MoeForCausalLM,
+    Qwen3MoeForCausalLM,
+)
 from ringserve.gpu.models.phi3 import Phi3ForCausalLM
 from ringserve.gpu.models.qwen import Qwen2ForCausalLM, Qwen3ForCausalLM
 
@@ -26,6 +31,9 @@ MODEL_CLASSES: dict[str, type[LlamaForCausalLM]] = {
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
     "Gemma3ForConditionalGeneration": Gemma3ForConditionalGeneration,
     "Phi3ForCausalLM": Phi3ForCausalLM,
+    "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
+    "Qwen2MoeForCausalLM": Qwen2MoeForCausalLM,
+    "MixtralForCausalLM": MixtralForCausalLM,
 }
 assert set(MODEL_CLASSES) == set(SUPPORTED_ARCHITECTURES)
 
