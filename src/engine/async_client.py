@@ -80,9 +80,11 @@ class AsyncMPClient:
         # by the process that outlives its cores (`ringserve.engine.dp_wave`).
         self._store: Any = None
         if config.parallel_config.lockstep:
-            from ringserve.gpu.parallel import serve_store  # torch, only for this deployment
+            from ringserve.engine.dp_wave import EPOCH_KEY  # torch, only for this deployment
+            from ringserve.gpu.parallel import serve_store
 
             self._store = serve_store()
+            self._store.set(EPOCH_KEY, "0")
             config = dataclasses.replace(config, parallel_config=dataclasses.replace(
                 config.parallel_config, data_parallel_master_port=int(self._store.port)))
         self.config = config
@@ -425,6 +427,10 @@ class AsyncMPClient:
     def _core_lost(self, index: int, fault: str) -> None:
         """Mark a core UNHEALTHY while it restarts and fail its pending utility calls."""
         self.restarting.add(index)
+        if self._store is not None:  # the other cores of the lockstep cannot step alone
+            from ringserve.engine.dp_wave import announce_fault, current_epoch
+
+            announce_fault(self._store, current_epoch(self._store), fault)
         state = self.fault_states[index]
         state.status = str(EngineStatus.UNHEALTHY)
         state.fault_info = fault

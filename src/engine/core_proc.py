@@ -42,7 +42,7 @@ import zmq
 
 from ringserve.config import EngineConfig
 from ringserve.engine.core import EngineCore
-from ringserve.engine.dp_wave import WaveSync
+from ringserve.engine.dp_wave import PeerFault, WaveSync, lockstep_timeout
 from ringserve.engine.sentinel import FaultInstruction, FaultSentinel, describe
 from ringserve.engine.wire import (
     DEAD_CALL_ID,
@@ -85,11 +85,18 @@ _WAKE = _Wake()
 
 
 class _WaveStarted:
-    """Put in the input queue by the lockstep watcher: wave `number` has started on some
-    core (`ringserve.engine.dp_wave`)."""
+    """Put in the input queue by the lockstep watcher: wave `number` of `epoch` has started
+    on some core (`ringserve.engine.dp_wave`)."""
 
-    def __init__(self, number: int) -> None:
-        self.number = number
+    def __init__(self, epoch: int, number: int) -> None:
+        self.epoch, self.number = epoch, number
+
+
+class _PeerFaulted:
+    """Put in the input queue by the lockstep watcher: a fault of `epoch` was announced."""
+
+    def __init__(self, epoch: int, reason: str) -> None:
+        self.epoch, self.reason = epoch, reason
 
 
 class _Shutdown(BaseException):
@@ -156,8 +163,8 @@ class EngineCoreProc:
         self.config = config
         self.engine_index = engine_index
         self.ctx = zmq.Context(io_threads=1)
-        self.input_queue: queue.Queue[CoreInput | _ExecutorFailed | _Wake | _WaveStarted] = (
-            queue.Queue())
+        self.input_queue: queue.Queue[
+            CoreInput | _ExecutorFailed | _Wake | _WaveStarted | _PeerFaulted] = queue.Queue()
         self.waves: WaveSync | None = None
         # Unbounded on purpose: the busy loop must never block on output; the output thread
         # sends as fast as the socket allows and zmq's own high-water mark applies behind it.
@@ -252,18 +259,44 @@ class EngineCoreProc:
             self.output_queue.put(HandshakeReply(ready=False, error=describe(exc),
                                                  engine_index=self.engine_index))
             return False
-        parallel = self.config.parallel_config
-        if parallel.lockstep:
-            timeout = self.config.fault_tolerance_config.execute_model_timeout_s or 300.0
-            self.waves = WaveSync(self.engine_index, parallel.data_parallel_size,
-                                  parallel.data_parallel_master_port, timeout,
-                                  lambda n: self.input_queue.put(_WaveStarted(n)))
+        try:
+            self.join_lockstep()
+        except Exception as exc:
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+            self.output_queue.put(HandshakeReply(ready=False, error=describe(exc),
+                                                 engine_index=self.engine_index))
+            return False
         self.watch_executor()
         self.output_queue.put(HandshakeReply(
             ready=True, num_blocks=self.core.num_blocks,
             max_model_len=self.config.model_config.max_model_len,
             engine_index=self.engine_index))
         return True
+
+    def join_lockstep(self) -> None:
+        """Join (again, after a retry: in the new epoch) the other cores' lockstep, when the
+        deployment has one (`ringserve.engine.dp_wave`)."""
+        parallel = self.config.parallel_config
+        if not parallel.lockstep:
+            return
+        if self.waves is not None:
+            self.waves.close()
+        put = self.input_queue.put
+        self.waves = WaveSync(
+            self.engine_index, parallel.data_parallel_size, parallel.data_parallel_master_port,
+            lockstep_timeout(self.config.fault_tolerance_config.execute_model_timeout_s),
+            lambda epoch, n: put(_WaveStarted(epoch, n)),
+            lambda epoch, reason: put(_PeerFaulted(epoch, reason)))
+
+    def announce_fault(self, error: BaseException) -> None:
+        """An engine fault of this core ends the lockstep epoch for every core (a no-op
+        without lockstep)."""
+        if self.waves is not None and not isinstance(error, PeerFault):
+            try:
+                self.waves.announce_fault(f"engine core {self.engine_index}: {describe(error)}")
+            except RuntimeError as exc:  # the frontend (and its store) is gone
+                logger.warning("engine core %d: cannot announce the fault: %s",
+                               self.engine_index, exc)
 
     def watch_executor(self) -> None:
         """Have the core's (new) executor wake the busy loop when a worker dies."""
@@ -314,14 +347,19 @@ class EngineCoreProc:
                 return
             self._handle(message)
 
-    def _handle(self, message: CoreInput | _ExecutorFailed | _Wake | _WaveStarted) -> None:
+    def _handle(self, message: CoreInput | _ExecutorFailed | _Wake | _WaveStarted
+                | _PeerFaulted) -> None:
         core = self.core
         assert core is not None  # run_busy_loop checked it
         if message is _WAKE:
             return  # a grammar compiled: the loop's next step admits its request
         if isinstance(message, _WaveStarted):
             if self.waves is not None:
-                self.waves.note_wake(message.number)
+                self.waves.note_wake(message.epoch, message.number)
+            return
+        if isinstance(message, _PeerFaulted):
+            if self.waves is not None and message.epoch == self.waves.epoch:
+                raise PeerFault(f"the expert-parallel group failed: {message.reason}")
             return
         if isinstance(message, _ExecutorFailed):
             if message.executor is core.executor:

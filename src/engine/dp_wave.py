@@ -16,7 +16,14 @@ for a wave that has already ended (a core saw `wave/n` late) is stale and ignore
 next wave, seen before the current one ended here, is kept until it has.
 
 The frontend hosts the store (it outlives the cores); the cores and their workers join groups
-under their own key prefixes of it.
+under their own key prefixes of it, numbered by an *epoch*. Faults: a collective with a dead
+or silent peer fails (gloo: at once for a closed connection, else after the lockstep timeout,
+`--execute-model-timeout-s`, default 60 s), which is an engine fault of that core. Whoever
+sees a fault first (the core, or the frontend when a core process dies) *announces* it: the
+epoch moves on (compare-and-set, once per epoch) and the key `fault/<epoch>` is set. Every
+core watches that key, so an idle core, which is in no collective, faults too: every rank of
+the EP group fails its in-flight requests and reports unhealthy. `retry` rebuilds each core's
+workers and groups in the new epoch (a restarted core process joins it from the start).
 """
 
 from __future__ import annotations
@@ -25,6 +32,7 @@ import logging
 import threading
 from collections.abc import Callable
 from datetime import timedelta
+from typing import Any
 
 import torch
 
@@ -33,6 +41,28 @@ from ringserve.gpu.parallel import connect_store, gloo_group
 logger = logging.getLogger(__name__)
 
 _WAIT_SLICE = timedelta(seconds=30)
+EPOCH_KEY = "ringserve/epoch"
+DEFAULT_TIMEOUT_S = 60.0
+
+
+def lockstep_timeout(execute_model_timeout_s: float | None) -> float:
+    """How long a collective of the lockstep deployment may wait for a peer."""
+    return execute_model_timeout_s or DEFAULT_TIMEOUT_S
+
+
+def current_epoch(store: Any) -> int:
+    """The epoch the groups are (re)built in."""
+    return int(store.get(EPOCH_KEY).decode())
+
+
+def announce_fault(store: Any, epoch: int, reason: str) -> None:
+    """End `epoch` (once; later calls for it change nothing) and tell every core."""
+    store.compare_set(EPOCH_KEY, str(epoch), str(epoch + 1))
+    store.set(f"fault/{epoch}", reason[:500])
+
+
+class PeerFault(RuntimeError):
+    """Another core of the lockstep deployment faulted (or died): this one cannot step."""
 
 
 class WaveSync:
@@ -43,37 +73,67 @@ class WaveSync:
         size: the number of cores.
         port: the frontend's store.
         timeout_s: how long a consensus step may wait for the other cores.
-        on_wake: called from the watcher thread with the number of each wave that starts
+        on_wake: called from a watcher thread with (epoch, number) of each wave that starts
             (the core queues it for its busy loop, which calls `note_wake`).
+        on_fault: called from a watcher thread with (epoch, reason) when a fault of this
+            epoch is announced (the core queues it; its busy loop raises `PeerFault`).
     """
 
     def __init__(self, rank: int, size: int, port: int, timeout_s: float,
-                 on_wake: Callable[[int], None]) -> None:
+                 on_wake: Callable[[int, int], None],
+                 on_fault: Callable[[int, str], None]) -> None:
         self.rank, self.size = rank, size
         self._store = connect_store(port, timeout_s)
-        self._group = gloo_group(self._store, "ringserve/cores", rank, size, timeout_s)
-        self.number = 0  # waves completed (the same on every core)
+        self.epoch = current_epoch(self._store)
+        self._group = gloo_group(self._store, f"ringserve/cores/{self.epoch}", rank, size,
+                                 timeout_s)
+        self.number = 0  # waves completed in this epoch (the same on every core)
         self.running = False
         self._pending = -1  # the highest wave another core started
         self._stop = threading.Event()
-        self._watcher = threading.Thread(target=self._watch, args=(port, timeout_s, on_wake),
-                                         daemon=True, name="ringserve-core-waves")
-        self._watcher.start()
+        self._threads = [
+            threading.Thread(target=self._watch_waves, args=(port, timeout_s, on_wake),
+                             daemon=True, name="ringserve-core-waves"),
+            threading.Thread(target=self._watch_fault, args=(port, timeout_s, on_fault),
+                             daemon=True, name="ringserve-core-faults"),
+        ]
+        for thread in self._threads:
+            thread.start()
 
-    def _watch(self, port: int, timeout_s: float, on_wake: Callable[[int], None]) -> None:
-        store = connect_store(port, timeout_s)
-        wave = 0
+    def _wait(self, store: Any, key: str) -> bool:
+        """Whether `key` appeared (False: stopped, or the store is gone)."""
         while not self._stop.is_set():
             try:
-                store.wait([f"wave/{wave}"], _WAIT_SLICE)
-            except RuntimeError:  # no key yet (a timeout), or the store is gone
+                store.wait([key], _WAIT_SLICE)
+                return not self._stop.is_set()
+            except RuntimeError:  # not yet (a timeout)
                 continue
-            on_wake(wave)
+        return False
+
+    def _watch_waves(self, port: int, timeout_s: float,
+                     on_wake: Callable[[int, int], None]) -> None:
+        store = connect_store(port, timeout_s)
+        wave = 0
+        while self._wait(store, f"wave/{self.epoch}/{wave}"):
+            on_wake(self.epoch, wave)
             wave += 1
 
-    def note_wake(self, wave: int) -> None:
-        """Wave `wave` has started somewhere (from the watcher, through the busy loop)."""
-        self._pending = max(self._pending, wave)
+    def _watch_fault(self, port: int, timeout_s: float,
+                     on_fault: Callable[[int, str], None]) -> None:
+        store = connect_store(port, timeout_s)
+        key = f"fault/{self.epoch}"
+        if self._wait(store, key):
+            on_fault(self.epoch, store.get(key).decode(errors="replace"))
+
+    def announce_fault(self, reason: str) -> None:
+        """This core faulted: end the epoch for every core (see the module docstring)."""
+        announce_fault(self._store, self.epoch, reason)
+
+    def note_wake(self, epoch: int, wave: int) -> None:
+        """Wave `wave` of `epoch` has started somewhere (from the watcher, through the busy
+        loop); a wake-up of an earlier epoch is stale."""
+        if epoch == self.epoch:
+            self._pending = max(self._pending, wave)
 
     def wants_to_run(self) -> bool:
         """In a wave, or another core has started the next one."""
@@ -84,7 +144,7 @@ class WaveSync:
         if not self.running:
             if has_work:
                 self.running = True
-                self._store.set(f"wave/{self.number}", "1")
+                self._store.set(f"wave/{self.epoch}/{self.number}", "1")
             elif self._pending >= self.number:
                 self.running = True
         return self.running
@@ -101,5 +161,6 @@ class WaveSync:
         return False
 
     def close(self) -> None:
-        """Stop the watcher (it exits within one wait slice)."""
+        """Stop the watchers (they exit within one wait slice) and leave the group."""
         self._stop.set()
+        self._group = None

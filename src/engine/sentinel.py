@@ -134,6 +134,7 @@ class FaultSentinel:
         core = self.proc.core
         assert core is not None  # run_busy_loop checked it
         fault = describe(error)
+        self.proc.announce_fault(error)
         for outputs in core.fail_all_requests(f"engine fault: {fault}").values():
             self.proc.output_queue.put(outputs)
         self._publish(EngineStatus.UNHEALTHY, fault)
@@ -182,6 +183,7 @@ class FaultSentinel:
         started = time.monotonic()
         try:
             core.rebuild_executor()
+            self.proc.join_lockstep()
         except Exception as exc:
             logger.error("engine core %d: retry failed\n%s", self.proc.engine_index,
                          "".join(traceback.format_exception(exc)))

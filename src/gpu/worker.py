@@ -85,7 +85,8 @@ class Worker:
             self.rank, self.config.parallel_config.tensor_parallel_size,
             backend=backend, init_method=self.distributed_init_method,
         )
-        set_ep_group(init_ep_group(self.config.parallel_config, self.tp, backend))
+        timeout = self.config.fault_tolerance_config.execute_model_timeout_s or 60.0
+        set_ep_group(init_ep_group(self.config.parallel_config, self.tp, backend, timeout))
 
     def dummy_pass(self) -> None:
         """Take part in the MoE layers' expert-parallel exchanges with no token (this core has

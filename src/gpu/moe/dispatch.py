@@ -105,12 +105,15 @@ class EPGroup:
 _current: list[EPGroup | None] = [None]
 
 
-def init_ep_group(parallel: ParallelConfig, tp: TPGroup, backend: str) -> EPGroup | None:
+def init_ep_group(parallel: ParallelConfig, tp: TPGroup, backend: str,
+                  timeout_s: float) -> EPGroup | None:
     """This worker's EP group, or None without expert parallelism (or with one rank).
 
     With one engine core the EP group is the TP group itself; with several (a lockstep
     deployment) it is a standalone group of every core's workers, meeting in the frontend's
-    TCPStore (`ringserve.gpu.parallel.serve_store`), rank dp_rank * tp_size + tp_rank.
+    TCPStore (`ringserve.gpu.parallel.serve_store`), rank dp_rank * tp_size + tp_rank, in the
+    deployment's current epoch (a retry after a fault rebuilds the group in the next one);
+    its collectives give up on a silent peer after `timeout_s`.
 
     Raises:
         ValueError: NCCL is asked for across engine cores (not built yet).
@@ -123,11 +126,12 @@ def init_ep_group(parallel: ParallelConfig, tp: TPGroup, backend: str) -> EPGrou
     if backend != "gloo":
         raise ValueError("expert parallelism across engine cores runs over gloo (CPU) only "
                          "so far")
-    timeout = 300.0
-    store = connect_store(parallel.data_parallel_master_port, timeout)
+    store = connect_store(parallel.data_parallel_master_port, timeout_s)
+    epoch = int(store.get("ringserve/epoch").decode())  # see ringserve.engine.dp_wave
     rank = parallel.data_parallel_rank * tp.world_size + tp.rank
     return EPGroup(rank=rank, world_size=size,
-                   group=gloo_group(store, "ringserve/ep", rank, size, timeout), tp=tp)
+                   group=gloo_group(store, f"ringserve/ep/{epoch}", rank, size, timeout_s),
+                   tp=tp)
 
 
 def set_ep_group(group: EPGroup | None) -> None:

@@ -1,0 +1,146 @@
+"""DP=2 + expert parallelism (`--enable-expert-parallel`): two engine cores whose workers
+hold half the experts each and exchange tokens by all-to-all, so the cores step in lockstep
+(`ringserve.engine.dp_wave`). A request on one core while the other is idle does not hang (the
+idle core runs dummy passes) and gives transformers' greedy tokens; so do requests on both at
+once, and a new wave after an idle spell. Faults: a killed core fails the requests of the
+other too (its collectives cannot complete), both report unhealthy, `retry` rebuilds the group
+in a new epoch and both serve the same tokens again; a hung core (SIGSTOP) is a fault of the
+other within the lockstep timeout (`--execute-model-timeout-s`)."""
+
+from __future__ import annotations
+
+import functools
+import os
+import signal
+from typing import Any
+
+import pytest
+import torch
+import trio
+
+from ringserve import EngineArgs, RequestOutputKind, SamplingParams
+from ringserve.engine.async_llm import AsyncLLM
+from ringserve.engine.errors import EngineGenerateError, EngineRecoveringError
+from ringserve.gpu.testing import tiny_model
+
+pytestmark = pytest.mark.slow
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=8, min_tokens=8)
+LONG = SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True,
+                      output_kind=RequestOutputKind.DELTA)
+PROMPTS = ([5, 6, 7, 8, 9], [11, 12, 13], [40, 41, 42, 43, 44, 45, 46])
+
+
+@functools.cache
+def _hf_tokens(prompt: tuple[int, ...]) -> list[int]:
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(str(tiny_model("qwen3moe")), dtype=torch.float32)
+    out = hf.eval().generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=8,
+                             min_new_tokens=8)
+    return list(out[0, len(prompt):].tolist())
+
+
+def _engine(**kw: Any) -> AsyncLLM:
+    values: dict[str, Any] = {
+        "model": str(tiny_model("qwen3moe")), "device": "cpu", "max_model_len": 512,
+        "kv_cache_memory": 16 << 20, "data_parallel_size": 2, "enable_expert_parallel": True,
+        "disable_log_stats": True, **kw}
+    return AsyncLLM.from_engine_args(EngineArgs(**values))
+
+
+async def _greedy(llm: AsyncLLM, prompt: list[int], rank: int, rid: str) -> list[int]:
+    outs = [o async for o in llm.generate({"prompt_token_ids": prompt}, GREEDY, rid,
+                                          data_parallel_rank=rank)]
+    return list(outs[-1].outputs[0].token_ids)
+
+
+async def _statuses(llm: AsyncLLM, want: list[str], timeout: float) -> None:
+    with trio.fail_after(timeout):
+        while [e.status for e in llm.fault_status().engines] != want:
+            await trio.sleep(0.05)
+
+
+async def test_one_busy_core_with_an_idle_one_matches_transformers() -> None:
+    async with _engine() as llm:
+        with trio.fail_after(120):
+            # Core 1 idle: it runs dummy passes for core 0's whole wave.
+            assert await _greedy(llm, PROMPTS[0], 0, "alone0") == _hf_tokens(tuple(PROMPTS[0]))
+            results: dict[str, list[int]] = {}
+
+            async def one(i: int, rank: int) -> None:
+                results[f"{i}@{rank}"] = await _greedy(llm, PROMPTS[i], rank, f"both{i}")
+
+            async with trio.open_nursery() as nursery:  # one wave, both cores busy
+                nursery.start_soon(one, 1, 1)
+                nursery.start_soon(one, 2, 0)
+            assert results == {"1@1": _hf_tokens(tuple(PROMPTS[1])),
+                               "2@0": _hf_tokens(tuple(PROMPTS[2]))}
+            await trio.sleep(0.3)  # the wave has ended: a new one starts from core 1
+            assert await _greedy(llm, PROMPTS[0], 1, "alone1") == _hf_tokens(tuple(PROMPTS[0]))
+
+
+async def _stream_until_fault(llm: AsyncLLM, rank: int, fault: Any) -> str:
+    """Stream a long request on core `rank`, call `fault()` once tokens flow; the error the
+    stream ended with."""
+    started = trio.Event()
+    ended: list[str] = []
+
+    async def stream() -> None:
+        try:
+            async for _ in llm.generate({"prompt_token_ids": [5, 6, 7]}, LONG, "long",
+                                        data_parallel_rank=rank):
+                started.set()
+            ended.append("finished")
+        except EngineGenerateError as exc:
+            ended.append(str(exc))
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(stream)
+        await started.wait()
+        fault()
+    return ended[0]
+
+
+async def _retry_until_healthy(llm: AsyncLLM) -> None:
+    try:
+        await llm.apply_fault_instruction("retry")
+    except EngineRecoveringError:
+        pass  # a core still being restarted takes no instruction; it rejoins by itself
+    await _statuses(llm, ["healthy", "healthy"], 120)
+    for rank in (0, 1):
+        assert await _greedy(llm, PROMPTS[0], rank, f"after{rank}") == _hf_tokens(
+            tuple(PROMPTS[0]))
+
+
+async def test_killed_core_fails_the_other_and_retry_rebuilds_the_group() -> None:
+    async with _engine() as llm:
+        client = llm.client
+        assert client is not None
+        with trio.fail_after(180):
+            with trio.fail_after(10):  # the stream on core 0 ends at once, not at a timeout
+                error = await _stream_until_fault(
+                    llm, 0, lambda: os.kill(client.processes[1].pid, signal.SIGKILL))
+            assert "engine fault" in error, error
+            await _statuses(llm, ["unhealthy", "unhealthy"], 30)
+            await _retry_until_healthy(llm)
+            assert client.restarts == [0, 1]
+            assert llm.output_processor.get_num_unfinished_requests() == 0
+
+
+async def test_hung_core_is_a_fault_of_the_other_within_the_timeout() -> None:
+    async with _engine(execute_model_timeout_s=3.0) as llm:
+        client = llm.client
+        assert client is not None
+        pid = client.processes[1].pid
+        with trio.fail_after(180):
+            try:
+                with trio.fail_after(20):  # 3 s timeout, with slack for a loaded machine
+                    error = await _stream_until_fault(llm, 0,
+                                                      lambda: os.kill(pid, signal.SIGSTOP))
+            finally:
+                os.kill(pid, signal.SIGCONT)
+            assert "engine fault" in error, error
+            # Core 1, woken, sees the announced fault and stops too.
+            await _statuses(llm, ["unhealthy", "unhealthy"], 30)
+            await _retry_until_healthy(llm)
