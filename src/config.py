@@ -311,6 +311,14 @@ class ObservabilityConfig:
     log_stats_interval: float = 10.0
     enable_log_requests: bool = False
     enable_mfu_metrics: bool = False
+    # Tokens routed to each expert of each sparse layer (MoE models; ringserve.engine.metrics.
+    # expert_load).
+    enable_expert_load_metrics: bool = False
+
+    @property
+    def record_expert_load(self) -> bool:
+        """Expert load is counted and published: asked for, and stats are on."""
+        return self.enable_expert_load_metrics and not self.disable_log_stats
 
 
 @dataclass(frozen=True, slots=True)

@@ -81,6 +81,7 @@ class EngineArgs:
     log_stats_interval: float = 10.0
     enable_log_requests: bool = False
     enable_mfu_metrics: bool = False
+    enable_expert_load_metrics: bool = False
     enable_fault_tolerance: bool = True
     engine_recovery_timeout_sec: float = 120.0
     execute_model_timeout_s: float | None = None
@@ -182,6 +183,7 @@ class EngineArgs:
                 log_stats_interval=self.log_stats_interval,
                 enable_log_requests=self.enable_log_requests,
                 enable_mfu_metrics=self.enable_mfu_metrics,
+                enable_expert_load_metrics=self.enable_expert_load_metrics,
             ),
             fault_tolerance_config=FaultToleranceConfig(
                 enable_fault_tolerance=self.enable_fault_tolerance,
@@ -448,6 +450,9 @@ _FLAG_SPECS: tuple[_FlagSpec, ...] = (
     _FlagSpec("enable_log_requests", "log each request", boolean=True),
     _FlagSpec("enable_mfu_metrics", "export analytic FLOPs per GPU "
               "(ringserve:estimated_flops_per_gpu_total) and log TF/s",
+              boolean=True),
+    _FlagSpec("enable_expert_load_metrics", "export the tokens routed to each expert of each "
+              "MoE layer (ringserve:moe_expert_load_tokens_total) and log the imbalance",
               boolean=True),
     _FlagSpec("enable_fault_tolerance", "on an engine fault (a worker dies, a step raises or "
               "times out) fail every request, report unhealthy and wait for a retry/abort "

@@ -445,9 +445,11 @@ class AsyncLLM(AsyncRLMethods):
 
     async def _apply_in_background(self, instruction: str, ft_request_id: str) -> None:
         # The cores publish the outcome (status, ft_error) themselves; this only logs it.
+        # A core being restarted (its process died) takes no instruction and answers
+        # EngineRecoveringError; it comes back by itself. That must not end the engine.
         try:
             await self.apply_fault_instruction(instruction, ft_request_id=ft_request_id)
-        except (ValueError, EngineDeadError) as exc:
+        except (ValueError, EngineDeadError, EngineRecoveringError) as exc:
             logger.error("fault instruction %s (%s) failed: %s", instruction, ft_request_id, exc)
 
     def get_metrics(self) -> list[Metric]:

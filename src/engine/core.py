@@ -21,6 +21,8 @@ import msgspec
 
 from ringserve import envs
 from ringserve.config import EngineConfig
+from ringserve.engine.metrics.expert_load import WORKER_METHOD as EXPERT_LOAD_METHOD
+from ringserve.engine.metrics.expert_load import ExpertLoadPuller
 from ringserve.engine.metrics.flops import ModelFlops
 from ringserve.engine.sched.scheduler import Scheduler
 from ringserve.engine.structured.manager import AllowAll, StructuredOutputManager
@@ -104,6 +106,8 @@ class EngineCore(WeightSyncMixin):
         # Analytic FLOPs per step, shipped to the frontend in SchedulerStats.
         self.flops = (ModelFlops.from_config(config)
                       if obs.enable_mfu_metrics and not obs.disable_log_stats else None)
+        # Pulls the workers' expert-load counts now and then, for SchedulerStats.
+        self.expert_load = ExpertLoadPuller.for_config(config, time.monotonic())
 
     def _build_executor(self, num_blocks: int | None,
                         config: EngineConfig | None = None) -> tuple[Executor, int]:
@@ -239,7 +243,7 @@ class EngineCore(WeightSyncMixin):
         timings["execute"] += t2 - t1
         timings["update"] += time.perf_counter() - t2
         timings["steps"] += 1
-        return self._stamp(outputs), True
+        return self._stamp(self._with_expert_load(outputs)), True
 
     def dummy_pass(self) -> None:
         """This core's part of a lockstep step without a batch (`ringserve.engine.dp_wave`):
@@ -256,6 +260,29 @@ class EngineCore(WeightSyncMixin):
         if version is not None:
             for batch in outputs.values():
                 batch.weight_version = version
+        return outputs
+
+    def _with_expert_load(self, outputs: dict[int, EngineCoreOutputs]
+                          ) -> dict[int, EngineCoreOutputs]:
+        """After a step: when a pull is due (`ExpertLoadPuller.due`), add the expert load
+        since the previous pull to the step's stats.
+
+        Raises:
+            WorkerTimeoutError, ExecutorError: the workers did not answer (an engine fault).
+        """
+        puller = self.expert_load
+        if puller is None:
+            return outputs
+        stats = next((b.scheduler_stats for b in outputs.values()
+                      if b.scheduler_stats is not None), None)
+        if stats is None:
+            return outputs
+        now = time.monotonic()
+        idle = not self.scheduler.has_unfinished_requests()
+        if puller.due(self.executor, stats.step_counter, idle, now):
+            # Waits for the steps still in flight (the workers serve calls in order).
+            replies = self._worker_call(EXPERT_LOAD_METHOD, (), self.step_timeout)
+            stats.expert_load = puller.take(self.executor, replies[0], stats.step_counter, now)
         return outputs
 
     def _schedule(self) -> SchedulerOutput:
@@ -300,7 +327,7 @@ class EngineCore(WeightSyncMixin):
         timings["execute"] += t2 - t1
         timings["update"] += time.perf_counter() - t2
         timings["steps"] += 1
-        return self._stamp(outputs), True
+        return self._stamp(self._with_expert_load(outputs)), True
 
     def _result(self, future: Future[ModelRunnerOutput]) -> ModelRunnerOutput:
         """A step's output; waiting longer than `execute_model_timeout_s` is a fault.
@@ -335,16 +362,18 @@ class EngineCore(WeightSyncMixin):
         if pending is not None:
             self._send_grammar(pending)
 
-    def _worker_call(self, method: str, args: tuple[Any, ...], timeout: float | None) -> None:
-        """`collective_rpc` between steps; workers that do not answer within `timeout` (the
-        execute-model timeout: None waits as long as it takes) are an engine fault.
+    def _worker_call(self, method: str, args: tuple[Any, ...],
+                     timeout: float | None) -> list[Any]:
+        """`collective_rpc` between steps (returns the results in rank order); workers that
+        do not answer within `timeout` (the execute-model timeout: None waits as long as it
+        takes) are an engine fault.
 
         Raises:
             WorkerTimeoutError: not every worker answered in time.
             ExecutorError: a worker died or raised (an engine fault too).
         """
         try:
-            self.executor.collective_rpc(method, args, timeout=timeout)
+            return self.executor.collective_rpc(method, args, timeout=timeout)
         except TimeoutError:
             if timeout is None:
                 raise

@@ -40,7 +40,9 @@ from ringserve.gpu.parallel import connect_store, gloo_group
 
 logger = logging.getLogger(__name__)
 
-_WAIT_SLICE = timedelta(seconds=30)
+# c10d logs a warning each time a store wait times out: the watchers wait long, and `close`
+# sets the keys they wait for so that they leave at once.
+_WAIT_SLICE = timedelta(hours=1)
 EPOCH_KEY = "ringserve/epoch"
 DEFAULT_TIMEOUT_S = 60.0
 
@@ -83,13 +85,14 @@ class WaveSync:
                  on_wake: Callable[[int, int], None],
                  on_fault: Callable[[int, str], None]) -> None:
         self.rank, self.size = rank, size
-        self._store = connect_store(port, timeout_s)
+        self._store = connect_store(port)
         self.epoch = current_epoch(self._store)
         self._group = gloo_group(self._store, f"ringserve/cores/{self.epoch}", rank, size,
                                  timeout_s)
         self.number = 0  # waves completed in this epoch (the same on every core)
         self.running = False
         self._pending = -1  # the highest wave another core started
+        self._watched_wave = 0  # the wave whose key the wave watcher waits for
         self._stop = threading.Event()
         self._threads = [
             threading.Thread(target=self._watch_waves, args=(port, timeout_s, on_wake),
@@ -112,15 +115,14 @@ class WaveSync:
 
     def _watch_waves(self, port: int, timeout_s: float,
                      on_wake: Callable[[int, int], None]) -> None:
-        store = connect_store(port, timeout_s)
-        wave = 0
-        while self._wait(store, f"wave/{self.epoch}/{wave}"):
-            on_wake(self.epoch, wave)
-            wave += 1
+        store = connect_store(port)
+        while self._wait(store, f"wave/{self.epoch}/{self._watched_wave}"):
+            on_wake(self.epoch, self._watched_wave)
+            self._watched_wave += 1
 
     def _watch_fault(self, port: int, timeout_s: float,
                      on_fault: Callable[[int, str], None]) -> None:
-        store = connect_store(port, timeout_s)
+        store = connect_store(port)
         key = f"fault/{self.epoch}"
         if self._wait(store, key):
             on_fault(self.epoch, store.get(key).decode(errors="replace"))
@@ -161,6 +163,9 @@ class WaveSync:
         return False
 
     def close(self) -> None:
-        """Stop the watchers (they exit within one wait slice) and leave the group."""
+        """Stop the watchers and leave the group (after a fault: the epoch is over, so the
+        keys set here wake only watchers of this epoch, which are leaving too)."""
         self._stop.set()
+        self._store.set(f"wave/{self.epoch}/{self._watched_wave}", "closed")
+        self._store.set(f"fault/{self.epoch}", "closed")
         self._group = None

@@ -154,8 +154,9 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=F
 class SchedulerStats(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     """Scheduler state snapshot sent with an output batch (for logging and Prometheus).
 
-    Counts named for events (prefix-cache queries and hits, preemptions, estimated FLOPs) are
-    deltas since the previous snapshot; the frontend's counters add them up. With stats off
+    Counts named for events (prefix-cache queries and hits, preemptions, estimated FLOPs,
+    expert load) are deltas since the previous snapshot (expert load: since the previous one
+    that carried it); the frontend's counters add them up. With stats off
     (`disable_log_stats`) the core still sends the two queue lengths, which least-loaded DP
     routing needs, on the batches it sends anyway; every other field is then left at its
     default (and the frontend has no stat loggers to feed).
@@ -171,6 +172,10 @@ class SchedulerStats(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
     current_wave: int = 0
     # Appended fields (array_like: order is the wire format; only append at the end).
     estimated_flops: float = 0.0  # per GPU, of the steps scheduled since the previous stats
+    # Tokens routed to each expert, per sparse layer (in layer order) then per expert, since
+    # the previous stats that carried it (--enable-expert-load-metrics; sent at most once per
+    # stats interval and when the core runs out of requests; None in between).
+    expert_load: list[list[int]] | None = None
 
 
 class EngineStatus(enum.IntEnum):

@@ -37,6 +37,8 @@ from ringserve.gpu.kv_cache import KVCacheSpec, allocate_kv_cache
 from ringserve.gpu.loader import load_model
 from ringserve.gpu.logprobs import select_rows
 from ringserve.gpu.models.llama import LlamaForCausalLM
+from ringserve.gpu.models.moe import MoeForCausalLM
+from ringserve.gpu.moe.layer import FusedMoE
 from ringserve.gpu.parallel import TPGroup
 from ringserve.gpu.prompt_logprobs import compute_prompt_logprobs
 from ringserve.gpu.request_state import RequestTable
@@ -92,6 +94,8 @@ class ModelRunner:
         self._awaiting_grammar: _ForwardDone | None = None
         self.capture: DecodeCapture | None = None
         self.capture_reason = "not captured yet"
+        # Per MoE layer, tokens routed to each expert (`enable_expert_load`); None: not counted.
+        self._expert_load: list[torch.Tensor] | None = None
 
     def _new_table(self) -> RequestTable:
         config = self.config
@@ -123,6 +127,7 @@ class ModelRunner:
             config = dataclasses.replace(config, load_format="safetensors",
                                          weights_path=weights_path)
         self._model = load_model(config, tp=self.tp, device=self.device, backend=self.backend)
+        self._attach_expert_load()  # a reload keeps counting into the same tensors
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         """Allocate `num_blocks` KV blocks per layer (layout: `ringserve.gpu.kv_cache`), and
@@ -158,6 +163,36 @@ class ModelRunner:
         dummy = getattr(self._model, "dummy_pass", None)
         if dummy is not None:
             dummy()
+
+    def enable_expert_load(self) -> None:
+        """Count, from now on, the tokens routed to each expert of every MoE layer
+        (`FusedMoE.load_counts`), when --enable-expert-load-metrics asks for it; on TP rank 0
+        only (every rank routes the same tokens). Called once serving starts (after the KV
+        cache is sized, so the profiling forward is not counted); the counts then live on
+        across reloads of the model."""
+        if not self.config.observability_config.record_expert_load or self.tp.rank != 0:
+            return
+        if self._expert_load is None:
+            self._expert_load = [torch.zeros(layer.num_experts, dtype=torch.int64,
+                                             device=self.device)
+                                 for layer in self._moe_layers()]
+        self._attach_expert_load()
+
+    def expert_load(self) -> list[list[int]]:
+        """The counts since `enable_expert_load`: per MoE layer (in layer order), per expert;
+        empty where nothing is counted."""
+        if self._expert_load is None:
+            return []
+        return [counts.tolist() for counts in self._expert_load]
+
+    def _moe_layers(self) -> list[FusedMoE]:
+        model = self._model
+        return model.moe_layers() if isinstance(model, MoeForCausalLM) else []
+
+    def _attach_expert_load(self) -> None:
+        if self._expert_load is not None:
+            for layer, counts in zip(self._moe_layers(), self._expert_load, strict=True):
+                layer.load_counts = counts
 
     def release_kv_cache(self) -> None:
         """Drop the KV cache tensors and every request's state (sleep)."""

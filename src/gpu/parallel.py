@@ -8,6 +8,7 @@ a single-device run pays nothing for tensor parallelism.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -88,16 +89,34 @@ def serve_store() -> Any:
                     timeout=timedelta(seconds=300))
 
 
-def connect_store(port: int, timeout_s: float) -> Any:
-    """A client of the store served by `serve_store` on `port`."""
+# How long joining a group may wait for its other ranks (a peer may be a core process being
+# restarted after a fault, or one whose operator has not sent `retry` yet).
+RENDEZVOUS_TIMEOUT_S = 300.0
+
+
+def connect_store(port: int) -> Any:
+    """A client of the store served by `serve_store` on `port` (its waits, a group's
+    rendezvous among them, last up to `RENDEZVOUS_TIMEOUT_S`)."""
     from torch._C._distributed_c10d import TCPStore
 
-    return TCPStore(STORE_HOST, port, is_master=False, timeout=timedelta(seconds=timeout_s))
+    return TCPStore(STORE_HOST, port, is_master=False,
+                    timeout=timedelta(seconds=RENDEZVOUS_TIMEOUT_S))
 
 
 def gloo_group(store: Any, prefix: str, rank: int, size: int, timeout_s: float) -> Any:
     """A standalone gloo process group of `size` ranks meeting under `prefix` in `store`
-    (raw `ProcessGroup` API: `allreduce`, `alltoall_base`)."""
+    (raw `ProcessGroup` API: `allreduce`, `alltoall_base`); a collective gives up on a
+    silent peer after `timeout_s` (a closed connection fails it at once)."""
     from torch._C._distributed_c10d import PrefixStore, ProcessGroupGloo
 
+    # Gloo's own rendezvous waits only `timeout_s` for the other ranks: first wait here, up
+    # to the rendezvous timeout, until every rank has arrived.
+    key = f"{prefix}/arrived"
+    store.add(key, 1)
+    deadline = time.monotonic() + RENDEZVOUS_TIMEOUT_S
+    while store.add(key, 0) < size:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{prefix}: not every one of {size} ranks arrived within "
+                               f"{RENDEZVOUS_TIMEOUT_S:g} s")
+        time.sleep(0.02)
     return ProcessGroupGloo(PrefixStore(prefix, store), rank, size, timedelta(seconds=timeout_s))

@@ -126,6 +126,7 @@ class Worker:
         """Allocate the KV cache (the same `num_blocks` on every rank)."""
         self.runner.initialize_kv_cache(num_blocks)
         self._num_blocks = num_blocks
+        self.runner.enable_expert_load()  # serving starts: the profiling forward is done
 
     def sleep(self, level: int) -> None:
         """Free device memory while idle: level 1 the KV cache, level 2 also the weights.
@@ -214,6 +215,12 @@ class Worker:
                 "dtype": str(self.config.model_config.dtype).removeprefix("torch."),
                 "sleep_level": self._sleep_level, "decode_capture": runner.capture is not None,
                 "decode_capture_reason": runner.capture_reason}
+
+    def get_expert_load(self) -> list[list[int]]:
+        """Tokens routed to each expert since serving started, per MoE layer (in layer
+        order) and expert, with --enable-expert-load-metrics; empty on ranks other than 0
+        and when off (`ringserve.engine.metrics.expert_load`)."""
+        return self.runner.expert_load()
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
         """Run one step; per-request failures are in `request_errors` afterwards. None when

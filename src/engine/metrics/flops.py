@@ -10,6 +10,11 @@ Counted, as vLLM's `metrics/perf.py` does, as 2 FLOPs per multiply-add of the ma
 
 * per layer and token: Q, K, V and O projections (`2*h*(nq*d) + 2*h*(2*nkv*d) + 2*(nq*d)*h`)
   and the gated MLP of Llama/Mistral/Qwen (`3 * 2*h*I`);
+* on the sparse layers of a mixture-of-experts model (`ringserve.moe_shape`), instead of the
+  MLP, only what a token activates: the router (`2*h*E`), its top-k experts
+  (`k * 3 * 2*h*I_moe`) and, where there is one (Qwen2-MoE), the shared expert and its gate
+  (`3 * 2*h*I_shared + 2*h`); the dense layers of such a model keep the `intermediate_size`
+  MLP;
 * per layer, attention over the context: a token at position `p` (0-based) attends to `p + 1`
   positions, costing `2*nq*d` for QK^T and as much for AV per position, so a chunk of `n`
   tokens after `c` cached ones costs `4*nq*d * (n*c + n*(n+1)/2)`;
@@ -25,6 +30,7 @@ from dataclasses import dataclass
 
 from ringserve.config import EngineConfig
 from ringserve.gpu.wire import SchedulerOutput
+from ringserve.moe_shape import MoeShape, moe_shape
 
 
 @dataclass(frozen=True, slots=True)
@@ -33,8 +39,9 @@ class ModelFlops:
 
     Attributes:
         hidden_size, num_layers, num_heads, num_kv_heads, head_dim, intermediate_size,
-        vocab_size: the model's shape.
+        vocab_size: the model's shape (`intermediate_size`: the dense MLP's).
         num_gpus: the ranks one engine's work is split over (tensor parallel size).
+        moe: the experts of a mixture-of-experts model (None: dense).
     """
 
     hidden_size: int
@@ -45,6 +52,7 @@ class ModelFlops:
     intermediate_size: int
     vocab_size: int
     num_gpus: int = 1
+    moe: MoeShape | None = None
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> ModelFlops:
@@ -60,15 +68,23 @@ class ModelFlops:
             intermediate_size=intermediate,
             vocab_size=model.vocab_size,
             num_gpus=config.parallel_config.tensor_parallel_size,
+            moe=moe_shape(model),
         )
 
     def dense_flops_per_token(self) -> int:
-        """Projection and MLP FLOPs of one token through all layers."""
+        """Projection and MLP (or activated experts) FLOPs of one token through all layers."""
         h, d = self.hidden_size, self.head_dim
         q_out, kv_out = self.num_heads * d, self.num_kv_heads * d
         projections = 2 * h * q_out + 2 * h * 2 * kv_out + 2 * q_out * h
         mlp = 3 * 2 * h * self.intermediate_size
-        return self.num_layers * (projections + mlp)
+        total = self.num_layers * (projections + mlp)
+        moe = self.moe
+        if moe is not None:
+            sparse = moe.top_k * 3 * 2 * h * moe.moe_intermediate_size + 2 * h * moe.num_experts
+            if moe.shared_expert_intermediate_size:
+                sparse += 3 * 2 * h * moe.shared_expert_intermediate_size + 2 * h
+            total += len(moe.sparse_layers) * (sparse - mlp)
+        return total
 
     def request_flops(self, num_tokens: int, num_computed_tokens: int) -> int:
         """FLOPs of computing `num_tokens` of one request after `num_computed_tokens` cached."""

@@ -24,6 +24,7 @@ from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 
 from ringserve.config import EngineConfig
+from ringserve.engine.metrics.expert_load import expert_load_shape
 from ringserve.engine.metrics.stats import IterationStats
 from ringserve.engine.wire import FinishReason, SchedulerStats
 
@@ -189,11 +190,22 @@ class PrometheusStatLogger:
         hist("request_params_n", "Histogram of the n request parameter.", N_BUCKETS)
         hist("iteration_tokens_total", "Histogram of number of tokens per engine_step.",
              build_iteration_buckets(batched))
+        # Opt-in (--enable-expert-load-metrics, MoE models): one series per layer and expert.
+        moe = expert_load_shape(config)
+        self._expert_layers = [str(layer) for layer in moe.sparse_layers] if moe else []
+        self._num_experts = moe.num_experts if moe else 0
+        self._expert_children: dict[int, list[list[Any]]] = {}
+        if moe is not None:
+            counter("moe_expert_load_tokens", "Tokens routed to each expert of each "
+                    "mixture-of-experts layer (--enable-expert-load-metrics); layer: the "
+                    "decoder layer index.", ("layer", "expert"))
         for engine in self.engine_indexes:
             self.record_health(True, engine)
             self.record_sleep_state(0, engine)
             for reason in FinishReason:
                 self._child("request_success", engine, str(reason))
+            if moe is not None:
+                self._expert_series(engine)
         _LIVE.add(self.registry)
 
     # -- family construction -------------------------------------------------------------------
@@ -216,6 +228,15 @@ class PrometheusStatLogger:
     def _child(self, name: str, engine: int, *extra: str) -> Any:
         return self._families[name].labels(self._model_name, str(engine), *extra)
 
+    def _expert_series(self, engine: int) -> list[list[Any]]:
+        """The engine's expert-load series, per sparse layer and expert (made once)."""
+        series = self._expert_children.get(engine)
+        if series is None:
+            series = self._expert_children[engine] = [
+                [self._child("moe_expert_load_tokens", engine, layer, str(expert))
+                 for expert in range(self._num_experts)] for layer in self._expert_layers]
+        return series
+
     # -- recording -----------------------------------------------------------------------------
 
     def record(self, scheduler_stats: SchedulerStats | None,
@@ -230,6 +251,13 @@ class PrometheusStatLogger:
             child("prefix_cache_hits", engine_idx).inc(scheduler_stats.prefix_cache_hits)
             child("num_preemptions", engine_idx).inc(scheduler_stats.num_preemptions)
             child("estimated_flops_per_gpu", engine_idx).inc(scheduler_stats.estimated_flops)
+            load = scheduler_stats.expert_load
+            if load is not None and self._expert_layers:
+                rows = self._expert_series(engine_idx)
+                for row, counts in zip(rows, load, strict=True):
+                    for series, count in zip(row, counts, strict=True):
+                        if count:
+                            series.inc(count)
         if iteration_stats is None:
             return
         stats = iteration_stats

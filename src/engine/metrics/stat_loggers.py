@@ -17,6 +17,7 @@ from importlib.metadata import entry_points
 from typing import Protocol
 
 from ringserve.config import EngineConfig
+from ringserve.engine.metrics.expert_load import expert_load_shape, imbalance
 from ringserve.engine.metrics.metrics_reader import Metric, get_metrics_snapshot
 from ringserve.engine.metrics.prometheus import PrometheusStatLogger
 from ringserve.engine.metrics.stats import IterationStats
@@ -45,7 +46,8 @@ StatLoggerFactory = Callable[[EngineConfig, int], StatLogger]
 
 
 class LoggingStatLogger:
-    """One log line per interval for one engine: throughput, queue, KV usage, prefix hits.
+    """One log line per interval for one engine: throughput, queue, KV usage, prefix hits
+    (and, when on, TF/s and the MoE expert-load imbalance).
 
     Args:
         config: the engine configuration.
@@ -55,6 +57,8 @@ class LoggingStatLogger:
     def __init__(self, config: EngineConfig, engine_index: int = 0) -> None:
         self.engine_index = engine_index
         self.enable_mfu = config.observability_config.enable_mfu_metrics
+        moe = expert_load_shape(config)
+        self.expert_layers = moe.sparse_layers if moe is not None else ()
         self.num_blocks: int | None = None
         self.last_scheduler_stats = SchedulerStats()
         self._last_log_time = time.monotonic()
@@ -67,6 +71,7 @@ class LoggingStatLogger:
         self.prefix_queries = 0
         self.prefix_hits = 0
         self.flops = 0.0
+        self.expert_load: list[list[int]] | None = None  # summed over the interval
 
     def record(self, scheduler_stats: SchedulerStats | None,
                iteration_stats: IterationStats | None, engine_idx: int = 0) -> None:
@@ -79,6 +84,16 @@ class LoggingStatLogger:
             self.prefix_queries += scheduler_stats.prefix_cache_queries
             self.prefix_hits += scheduler_stats.prefix_cache_hits
             self.flops += scheduler_stats.estimated_flops
+            if scheduler_stats.expert_load is not None:
+                self._add_expert_load(scheduler_stats.expert_load)
+
+    def _add_expert_load(self, load: list[list[int]]) -> None:
+        if self.expert_load is None:
+            self.expert_load = [list(row) for row in load]
+            return
+        for total, row in zip(self.expert_load, load, strict=True):
+            for expert, count in enumerate(row):
+                total[expert] += count
 
     def format_line(self, now: float) -> str:
         """The log line for the interval ending at `now` (monotonic)."""
@@ -94,6 +109,11 @@ class LoggingStatLogger:
                 f"Prefix cache hit rate: {hit_rate * 100:.1f}%")
         if self.enable_mfu:
             line += f", Achieved: {self.flops / elapsed / 1e12:.2f} TF/s per GPU"
+        worst = imbalance(self.expert_load) if self.expert_load is not None else None
+        if worst is not None and self.expert_layers:
+            ratio, position = worst
+            line += (f", MoE expert load max/mean: {ratio:.2f} "
+                     f"(layer {self.expert_layers[position]})")
         return line
 
     def log(self) -> None:

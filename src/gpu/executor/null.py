@@ -123,6 +123,8 @@ class NullExecutor(Executor):
     ) -> list[Any]:
         if method in ("sleep", "wake_up"):  # nothing to free or restore
             return [None]
+        if method == "get_expert_load":  # no experts, nothing counted
+            return [[]]
         raise ValueError(f"the null executor has no workers to call {method!r} on")
 
     def check_health(self) -> None:
@@ -172,6 +174,10 @@ class NullWorker:
 
     def wake_up(self) -> None:
         """Nothing to restore."""
+
+    def get_expert_load(self) -> list[list[int]]:
+        """No experts: nothing counted."""
+        return []
 
 
 class NullMultiprocExecutor(MultiprocExecutor):

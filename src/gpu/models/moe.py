@@ -3,10 +3,11 @@
 Each is the Llama decoder (`ringserve.gpu.models.llama`) with a sparse MoE block in place of
 the dense MLP on the layers the config makes sparse: every layer for Mixtral; for the Qwen
 families, layer i unless i is in `mlp_only_layers` or (i + 1) is not a multiple of
-`decoder_sparse_step` (transformers' rule). The block routes each token to its top-k experts
-(`ringserve.gpu.moe.router`, the same float32 softmax / top-k / renormalisation transformers
-uses), runs them through `ringserve.gpu.moe.layer.FusedMoE` (tensor- or expert-parallel), and
-adds the sigmoid-gated shared expert where the config has one.
+`decoder_sparse_step` (transformers' rule, in `ringserve.moe_shape`). The block routes each
+token to its top-k experts (`ringserve.gpu.moe.router`, the same float32 softmax / top-k /
+renormalisation transformers uses), runs them through `ringserve.gpu.moe.layer.FusedMoE`
+(tensor- or expert-parallel), and adds the sigmoid-gated shared expert where the config has
+one.
 
 Checkpoint names: the per-expert `mlp.experts.N.{gate,up,down}_proj.weight` (Qwen) and
 `block_sparse_moe.experts.N.w{1,3,2}.weight` (Mixtral) are stacked into the layer's `w13` / `w2`
@@ -39,6 +40,7 @@ from ringserve.gpu.moe.dispatch import ep_group
 from ringserve.gpu.moe.layer import FusedMoE
 from ringserve.gpu.moe.router import select_experts
 from ringserve.gpu.parallel import TPGroup
+from ringserve.moe_shape import MoeShape
 
 _CANONICAL = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}  # Mixtral's expert names
 _EXPERT = re.compile(r"^(?P<owner>.+\.mlp\.experts)\.(?P<expert>\d+)\.(?P<leaf>\w+)\.weight$")
@@ -75,30 +77,14 @@ class MoeSpec(DecoderSpec):
         base = DecoderSpec.from_model_config(
             config, qkv_bias=True if family == "qwen2_moe" else None,
             qk_norm=family == "qwen3_moe", sliding_window=_window(config, family))
-        layers = config.num_hidden_layers
-        if family == "mixtral":
-            experts = int(hf.get("num_local_experts") or 0)
-            inter, renorm, shared = base.intermediate_size, True, 0
-            sparse = frozenset(range(layers))
-        else:
-            # transformers 5 writes `num_local_experts`; released checkpoints `num_experts`
-            experts = int(hf.get("num_experts") or hf.get("num_local_experts") or 0)
-            inter = int(hf.get("moe_intermediate_size") or 0)
-            renorm = bool(hf.get("norm_topk_prob", False))
-            shared = int(hf.get("shared_expert_intermediate_size") or 0) if family == "qwen2_moe" else 0
-            step = int(hf.get("decoder_sparse_step") or 1)
-            dense_only = set(hf.get("mlp_only_layers") or [])
-            sparse = frozenset(i for i in range(layers) if i not in dense_only
-                               and experts > 0 and (i + 1) % step == 0)
-        top_k = int(hf.get("num_experts_per_tok") or 0)
-        if experts < 1 or not 1 <= top_k <= experts or inter < 1:
-            raise ValueError(f"{config.architecture}: num_experts {experts}, num_experts_per_tok "
-                             f"{top_k} and expert intermediate size {inter} must be positive, "
-                             "with num_experts_per_tok <= num_experts")
+        shape = MoeShape.from_hf_config(hf, family, config.num_hidden_layers,
+                                        config.architecture)
         fields = {f.name: getattr(base, f.name) for f in dataclasses.fields(DecoderSpec)}
-        return cls(**fields, num_experts=experts, top_k=top_k, moe_intermediate_size=inter,
-                   renormalize=renorm, shared_expert_intermediate_size=shared,
-                   sparse_layers=sparse)
+        return cls(**fields, num_experts=shape.num_experts, top_k=shape.top_k,
+                   moe_intermediate_size=shape.moe_intermediate_size,
+                   renormalize=shape.renormalize,
+                   shared_expert_intermediate_size=shape.shared_expert_intermediate_size,
+                   sparse_layers=frozenset(shape.sparse_layers))
 
 
 def _window(config: ModelConfig, family: str) -> int | None:

@@ -126,7 +126,7 @@ def init_ep_group(parallel: ParallelConfig, tp: TPGroup, backend: str,
     if backend != "gloo":
         raise ValueError("expert parallelism across engine cores runs over gloo (CPU) only "
                          "so far")
-    store = connect_store(parallel.data_parallel_master_port, timeout_s)
+    store = connect_store(parallel.data_parallel_master_port)
     epoch = int(store.get("ringserve/epoch").decode())  # see ringserve.engine.dp_wave
     rank = parallel.data_parallel_rank * tp.world_size + tp.rank
     return EPGroup(rank=rank, world_size=size,
