@@ -79,7 +79,8 @@ class EPGroup:
         """
         n, per = self.world_size, num_experts // self.world_size
         tp = self.tp
-        mine = torch.arange(tp.rank, x.shape[0], tp.world_size, device=x.device)
+        # (arange refuses a start past the end: a TP rank above the token count has none)
+        mine = torch.arange(tp.rank, max(tp.rank, x.shape[0]), tp.world_size, device=x.device)
         ids = topk_ids[mine].reshape(-1)
         k = topk_ids.shape[1]
         order = torch.argsort(ids, stable=True)  # by expert, hence by destination rank
