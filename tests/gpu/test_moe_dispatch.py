@@ -22,13 +22,13 @@ from ringserve.gpu.moe.layer import FusedMoE
 from ringserve.gpu.moe.router import select_experts
 from ringserve.gpu.parallel import TPGroup
 
-E, H, I, K = 8, 32, 24, 2
+E, H, INTER, K = 8, 32, 24, 2
 
 
 def _weights() -> tuple[torch.Tensor, torch.Tensor]:
     gen = torch.Generator().manual_seed(0)
-    return (torch.randn(E, 2 * I, H, generator=gen) / 6,
-            torch.randn(E, H, I, generator=gen) / 5)
+    return (torch.randn(E, 2 * INTER, H, generator=gen) / 6,
+            torch.randn(E, H, INTER, generator=gen) / 5)
 
 
 def _tokens(n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -49,11 +49,11 @@ def _rank_main(rank: int, store_port: int, tp_ports: list[int], out_dir: str) ->
     group = ProcessGroupGloo(PrefixStore("ep", store), rank, 4, timedelta(seconds=60))
     tp = TPGroup(rank=tp_rank, world_size=2, group=dist.group.WORLD)
     ep = EPGroup(rank=rank, world_size=4, group=group, tp=tp)
-    layer = FusedMoE(E, H, I, tp=tp, ep=ep, dtype=torch.float32)
+    layer = FusedMoE(E, H, INTER, tp=tp, ep=ep, dtype=torch.float32)
     w13, w2 = _weights()
     for e in range(E):
-        layer.load_expert(e, "gate_proj", w13[e, :I])
-        layer.load_expert(e, "up_proj", w13[e, I:])
+        layer.load_expert(e, "gate_proj", w13[e, :INTER])
+        layer.load_expert(e, "up_proj", w13[e, INTER:])
         layer.load_expert(e, "down_proj", w2[e])
     layer.process_weights_after_loading()
     try:
