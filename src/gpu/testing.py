@@ -95,7 +95,7 @@ PRESETS: dict[str, TinyModelSpec] = {
     # mixtures of experts: 8 experts, top-2; a dense layer among the sparse ones for the Qwen
     # families (mlp_only_layers / decoder_sparse_step), a gated shared expert for Qwen2-MoE
     "qwen3moe": TinyModelSpec(arch="qwen3_moe", head_dim=32, num_hidden_layers=3, extra_config=(
-        '{"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 48, '
+        '{"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 64, '
         '"norm_topk_prob": true, "mlp_only_layers": [1]}')),
     "qwen2moe": TinyModelSpec(arch="qwen2_moe", num_hidden_layers=3, extra_config=(
         '{"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 48, '

@@ -46,6 +46,8 @@ from ringserve.gpu.linear import ColumnParallelLinear, RowParallelLinear, refres
 from ringserve.gpu.loader import _load
 from ringserve.gpu.models.llama import LlamaForCausalLM
 from ringserve.gpu.models.registry import model_class
+from ringserve.gpu.moe.cpu_experts import PackedExperts
+from ringserve.gpu.moe.layer import FusedMoE
 from ringserve.gpu.parallel import TPGroup
 from ringserve.gpu.vocab_embedding import ParallelLMHead
 from ringserve.gpu.weight_snapshot import SnapshotWriter
@@ -365,14 +367,19 @@ def weight_checksum(model: torch.nn.Module) -> str:
         packed = getattr(module, "packed", None)
         if isinstance(packed, torch.Tensor) and packed.layout == torch.strided:
             add(packed)
+        elif isinstance(packed, PackedExperts):
+            for expert in packed.panels():
+                for tensor in (expert.data, expert.scales, expert.mins, expert.bias):
+                    add(tensor)
     return digest.hexdigest()
 
 
 def refresh_weights(serving: LlamaForCausalLM, loaded: LlamaForCausalLM) -> None:
     """Rewrite `serving`'s weights in place from `loaded`, the same architecture with its
     weights just loaded and not processed: each linear layer and the LM head repack into
-    their own panels (`ringserve.gpu.linear.refresh_layer`); every other parameter the
-    serving model keeps (norms, the embedding) is copied."""
+    their own panels (`ringserve.gpu.linear.refresh_layer`), the experts of an MoE layer into
+    theirs (`FusedMoE.refresh_from`); every other parameter the serving model keeps (norms,
+    the embedding, routers) is copied."""
     pairs = zip(serving.named_modules(), loaded.named_modules(), strict=True)
     for (name, mine), (other_name, theirs) in pairs:
         if name != other_name:
@@ -380,6 +387,9 @@ def refresh_weights(serving: LlamaForCausalLM, loaded: LlamaForCausalLM) -> None
         if isinstance(mine, ColumnParallelLinear | RowParallelLinear):
             refresh_layer(mine, theirs)
         elif isinstance(mine, ParallelLMHead):
+            mine.refresh_from(theirs)
+        elif isinstance(mine, FusedMoE):
+            assert isinstance(theirs, FusedMoE)
             mine.refresh_from(theirs)
         else:
             for pname, param in mine.named_parameters(recurse=False):

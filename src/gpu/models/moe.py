@@ -11,7 +11,9 @@ one.
 
 Checkpoint names: the per-expert `mlp.experts.N.{gate,up,down}_proj.weight` (Qwen) and
 `block_sparse_moe.experts.N.w{1,3,2}.weight` (Mixtral) are stacked into the layer's `w13` / `w2`
-at load; the router is `mlp.gate.weight` / `block_sparse_moe.gate.weight`.
+at load; so are transformers 5's already stacked `mlp.experts.gate_up_proj` / `down_proj`
+(what a trainer's `state_dict()` sends in a weight update); the router is `mlp.gate.weight` /
+`block_sparse_moe.gate.weight`.
 """
 
 from __future__ import annotations
@@ -44,6 +46,9 @@ from ringserve.moe_shape import MoeShape
 
 _CANONICAL = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}  # Mixtral's expert names
 _EXPERT = re.compile(r"^(?P<owner>.+\.mlp\.experts)\.(?P<expert>\d+)\.(?P<leaf>\w+)\.weight$")
+# transformers 5 holds the experts stacked (what a trainer's state dict sends):
+# gate_up_proj [E, 2I, H] (gate rows, then up rows) and down_proj [E, H, I]
+_STACKED = re.compile(r"^(?P<owner>.+\.mlp\.experts)\.(?P<leaf>gate_up_proj|down_proj)$")
 
 
 @dataclass(frozen=True)
@@ -198,26 +203,36 @@ class MoeForCausalLM(LlamaForCausalLM):
         def dense() -> Iterator[tuple[str, torch.Tensor]]:
             for name, tensor in weights:
                 name = name.replace(".block_sparse_moe.", ".mlp.")
-                match = _EXPERT.match(name)
+                match = _EXPERT.match(name) or _STACKED.match(name)
                 if match is None:
                     yield name, tensor
                     continue
-                owner, expert, leaf = match["owner"], int(match["expert"]), match["leaf"]
-                try:
-                    module = self.get_submodule(owner)
-                except AttributeError:
-                    module = None
-                if not isinstance(module, FusedMoE):
-                    raise ValueError(f"checkpoint tensor {name!r} matches no parameter of "
-                                     f"{type(self).__name__}")
-                module.load_expert(expert, leaf, tensor)
-                seen.add((owner, expert, _CANONICAL.get(leaf, leaf)))
+                owner, leaf = match["owner"], match["leaf"]
+                module = self._experts_at(owner, name)
+                if "expert" in match.groupdict():
+                    expert = int(match["expert"])
+                    module.load_expert(expert, leaf, tensor)
+                    seen.add((owner, expert, _CANONICAL.get(leaf, leaf)))
+                    continue
+                for expert, part, matrix in _unstack(leaf, tensor, module.num_experts):
+                    module.load_expert(expert, part, matrix)
+                    seen.add((owner, expert, part))
 
         super().load_weights(dense())
         missing = [f"{owner}.{e}.{leaf}" for owner, e, leaf in self._expected_experts()
                    if (owner, e, leaf) not in seen]
         if missing:
             raise ValueError(f"checkpoint lacks {len(missing)} expert tensors, e.g. {missing[:5]}")
+
+    def _experts_at(self, owner: str, name: str) -> FusedMoE:
+        try:
+            module = self.get_submodule(owner)
+        except AttributeError:
+            module = None
+        if not isinstance(module, FusedMoE):
+            raise ValueError(f"checkpoint tensor {name!r} matches no parameter of "
+                             f"{type(self).__name__}")
+        return module
 
     def _expected_experts(self) -> list[tuple[str, int, str]]:
         return [(name, e, leaf) for name, module in self.named_modules()
@@ -227,6 +242,26 @@ class MoeForCausalLM(LlamaForCausalLM):
     def _expected_shards(self) -> set[tuple[str, int]]:
         return {(name, shard) for name, shard in super()._expected_shards()
                 if not name.endswith((".experts.w13", ".experts.w2"))}
+
+
+def _unstack(leaf: str, tensor: torch.Tensor, num_experts: int
+             ) -> Iterator[tuple[int, str, torch.Tensor]]:
+    """(expert, checkpoint leaf, matrix) of a stacked `gate_up_proj` or `down_proj`.
+
+    Raises:
+        ValueError: the tensor is not [num_experts, ...] with an even gate-up row count.
+    """
+    if tensor.dim() != 3 or tensor.shape[0] != num_experts or (
+            leaf == "gate_up_proj" and tensor.shape[1] % 2):
+        raise ValueError(f"stacked experts {leaf} of shape {list(tensor.shape)}: expected "
+                         f"[{num_experts}, ...] (gate_up_proj: [E, 2 * I, H])")
+    for e in range(num_experts):
+        if leaf == "down_proj":
+            yield e, "down_proj", tensor[e]
+        else:
+            gate, up = tensor[e].chunk(2, dim=0)
+            yield e, "gate_proj", gate
+            yield e, "up_proj", up
 
 
 class Qwen3MoeForCausalLM(MoeForCausalLM):

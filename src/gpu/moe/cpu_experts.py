@@ -132,6 +132,10 @@ class PackedExperts:
                     if dst is not None and src is not None:
                         dst.copy_(src)
 
+    def panels(self) -> list[PanelWeight]:
+        """Every expert's gate-up then down panels (what a weight checksum covers)."""
+        return [*self._w13, *self._w2]
+
     def forward(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """down(silu(gate(x)) * up(x)) of each row by its expert, as `grouped_swiglu`.
 

@@ -63,6 +63,7 @@ class FusedMoE(nn.Module):
             self.experts = range(num_experts)
             self.inter = tp.shard_size(intermediate_size, "moe_intermediate_size")
         self.full_inter = intermediate_size
+        self.hidden_size = hidden_size
         e = len(self.experts)
         self.w13 = nn.Parameter(torch.empty(e, 2 * self.inter, hidden_size, dtype=dtype),
                                 requires_grad=False)
@@ -95,7 +96,7 @@ class FusedMoE(nn.Module):
         which, shard = EXPERT_LEAVES[leaf]
         local = expert - self.experts.start
         start = 0 if self.ep is not None else self.tp.rank * self.inter
-        hidden = self.w2.shape[1]
+        hidden = self.hidden_size
         if which == "w13":
             check_shape(loaded, (self.full_inter, hidden))
             rows = loaded.narrow(0, start, self.inter)
@@ -118,9 +119,24 @@ class FusedMoE(nn.Module):
         if usable:
             self.packed = cpu_experts.PackedExperts.pack(self.w13.data, self.w2.data,
                                                          self.quantization)
+            # The panels are all the kernel reads: the plain copies go, as for the linear
+            # layers (a weight update rewrites the panels: `refresh_from`).
+            self.w13 = nn.Parameter(torch.empty(0, dtype=self.w13.dtype), requires_grad=False)
+            self.w2 = nn.Parameter(torch.empty(0, dtype=self.w2.dtype), requires_grad=False)
         elif self.quantization is not None:
             raise ValueError(f"--quantization {self.quantization} of MoE experts needs the CPU "
                              "kernel on float32 weights")
+
+    def refresh_from(self, loaded: FusedMoE) -> None:
+        """Take the weights of `loaded` (the same layer, just loaded, not processed) in
+        place: into the packed panels, or the plain weights (a weight update)."""
+        from ringserve.gpu.moe import cpu_experts
+
+        if isinstance(self.packed, cpu_experts.PackedExperts):
+            self.packed.refresh(loaded.w13.data, loaded.w2.data)
+        else:
+            self.w13.data.copy_(loaded.w13.data)
+            self.w2.data.copy_(loaded.w2.data)
 
     def swiglu(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """This rank's experts on rows grouped by local expert (`counts` [E_local])."""
