@@ -74,6 +74,12 @@ LONG = {
         "test_llm.py::test_mp_executor_tensor_parallel_matches_transformers[2]",
     "tests/engine/test_fault_tolerance.py::test_auto_retry_recovers_without_an_instruction":
         "test_worker_death_then_retry_then_abort",
+    "tests/chaos/test_chaos_dp_ep.py::test_chaos_dp_ep":
+        "test_dp_expert_parallel.py (a killed core, a hung core)",
+    "tests/gpu/test_moe_parity.py::test_tp2_and_ep2_match_transformers[ep]":
+        "test_moe_dispatch.py and test_dp_expert_parallel.py (EP over 4 and 2 ranks)",
+    "tests/engine/test_moe_engine.py::test_quantized_experts_stay_close_to_float[int4]":
+        "its [int8] case and test_moe_cpu_kernel.py's int4 tests",
 }
 
 
