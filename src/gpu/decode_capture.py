@@ -12,7 +12,9 @@ made at capture time for the largest batch of the ladder.
 
 What the C step covers is what the eager Llama stack (`ringserve.gpu.models.llama.LlamaModel`)
 computes: Llama, Mistral, Qwen2 (qkv bias), Qwen3 (q/k norm) and Phi-3, sliding windows
-included, at tensor-parallel size 1 in float32 with the CPU attention backend. Any other model
+included, and the mixtures of experts without a shared expert (Qwen3-MoE, Mixtral: router,
+top-k and the experts' panels in C too), at tensor-parallel size 1 without expert
+parallelism, in float32 with the CPU attention backend. Any other model
 or setting runs eagerly; `DecodeCapture.build` returns the reason, which the runner logs once.
 
 On CPU a batch needs no fixed shape: a step of B decodes runs B rows, for any B up to the
@@ -31,19 +33,29 @@ import torch
 
 from ringserve.gpu.attention import cpu_native
 from ringserve.gpu.input_prep import StepInputs
+from ringserve.gpu.linear import ColumnParallelLinear, RowParallelLinear
 from ringserve.gpu.models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP, LlamaModel
+from ringserve.gpu.models.moe import SparseMoeBlock
+from ringserve.gpu.moe.cpu_experts import PackedExperts
 from ringserve.gpu.norm import RMSNorm
-from ringserve.gpu.panel_native import PanelWeight, RsWeight
+from ringserve.gpu.panel_native import PanelWeight, RsWeight, pack_f32
 
 _ptr = ctypes.c_void_p
 _i64 = ctypes.c_int64
+
+
+class _RsMoe(ctypes.Structure):
+    _fields_ = [
+        ("router", RsWeight), ("w13", _ptr), ("w2", _ptr), ("num_experts", _i64),
+        ("top_k", _i64), ("renormalize", _i64),
+    ]
 
 
 class _RsLayer(ctypes.Structure):
     _fields_ = [
         ("qkv", RsWeight), ("o", RsWeight), ("gate_up", RsWeight), ("down", RsWeight),
         ("input_norm", _ptr), ("post_norm", _ptr), ("q_norm", _ptr), ("k_norm", _ptr),
-        ("kv_cache", _ptr), ("window", _i64),
+        ("kv_cache", _ptr), ("window", _i64), ("moe", _ptr),
     ]
 
 
@@ -103,13 +115,17 @@ class DecodeCapture:
             weights = _panels(layer)
             formats.update(w.format for w in weights)
             self._keep.extend(weights)
+            moe = self._moe(layer.mlp)
+            structs = [w.struct for w in weights]
+            structs += [RsWeight()] * (4 - len(structs))  # an MoE layer has no dense MLP
             a = layer.self_attn
             layers[i] = _RsLayer(
-                *(w.struct for w in weights),
+                *structs,
                 _data(layer.input_layernorm), _data(layer.post_attention_layernorm),
                 _data(a.q_norm) if a.q_norm is not None else None,
                 _data(a.k_norm) if a.k_norm is not None else None,
                 cache.data_ptr(), a.sliding_window or 0,
+                ctypes.addressof(moe) if moe is not None else None,
             )
         self._layers = layers
         cos_sin = stack.rotary.cos_sin
@@ -127,6 +143,19 @@ class DecodeCapture:
         self._work = torch.empty(floats, dtype=torch.float32)
         self._out = torch.empty(self.max_batch, spec.hidden_size, dtype=torch.float32)
         self.info = CaptureInfo(sizes, 0.0, tuple(sorted(formats)))
+
+    def _moe(self, mlp: object) -> _RsMoe | None:
+        """The C view of an MoE layer's router and experts (None for a dense MLP); what it
+        points at is kept alive with the capture."""
+        if not isinstance(mlp, SparseMoeBlock):
+            return None
+        experts = mlp.experts
+        assert isinstance(experts.packed, PackedExperts)  # checked by _unsupported
+        router = pack_f32(mlp.gate.weight.data)
+        view = _RsMoe(router.struct, experts.packed.w13_array, experts.packed.w2_array,
+                      experts.num_experts, mlp.top_k, int(mlp.renormalize))
+        self._keep.extend([router, experts.packed, view])
+        return view
 
     @classmethod
     def build(cls, library: ctypes.CDLL | None, model: LlamaForCausalLM,
@@ -186,12 +215,28 @@ def _data(norm: RMSNorm) -> int:
 
 def _panels(layer: LlamaDecoderLayer) -> list[PanelWeight]:
     mlp = layer.mlp
-    assert isinstance(mlp, LlamaMLP)  # checked by _unsupported
-    linears = (layer.self_attn.qkv_proj, layer.self_attn.o_proj, mlp.gate_up_proj,
-               mlp.down_proj)
+    linears: tuple[ColumnParallelLinear | RowParallelLinear, ...] = (
+        layer.self_attn.qkv_proj, layer.self_attn.o_proj)
+    if isinstance(mlp, LlamaMLP):  # else an MoE block (`DecodeCapture._moe`)
+        linears += (mlp.gate_up_proj, mlp.down_proj)
     panels = [linear.panel for linear in linears]
     assert all(p is not None for p in panels)  # checked by _unsupported
     return [p for p in panels if p is not None]
+
+
+def _moe_unsupported(mlp: object) -> str:
+    """Why the C step cannot run this feed-forward block ("" for an MoE block it can)."""
+    if not isinstance(mlp, SparseMoeBlock):
+        return f"a {type(mlp).__name__} feed-forward layer"
+    if mlp.shared_expert is not None:
+        return "a shared expert (Qwen2-MoE)"
+    if mlp.experts.ep is not None:
+        return "expert parallelism (the all-to-all runs in torch)"
+    if not isinstance(mlp.experts.packed, PackedExperts):
+        return "experts without panel weights"
+    if mlp.gate.weight.dtype != torch.float32:
+        return "a router that is not float32"
+    return ""
 
 
 def _unsupported(library: ctypes.CDLL | None, model: LlamaForCausalLM,
@@ -219,12 +264,16 @@ def _unsupported(library: ctypes.CDLL | None, model: LlamaForCausalLM,
     for layer in layers:
         a = layer.self_attn
         mlp = layer.mlp
-        if not isinstance(mlp, LlamaMLP):
-            return "a mixture-of-experts (or other non-dense) feed-forward layer"
+        linears: list[object] = [a.qkv_proj, a.o_proj]
+        if isinstance(mlp, LlamaMLP):
+            linears += [mlp.gate_up_proj, mlp.down_proj]
+        else:
+            why = _moe_unsupported(mlp)
+            if why:
+                return why
         if a.logits_soft_cap is not None:
             return "attention logit soft-capping"
-        if any(getattr(lin, "panel", None) is None
-               for lin in (a.qkv_proj, a.o_proj, mlp.gate_up_proj, mlp.down_proj)):
+        if any(getattr(lin, "panel", None) is None for lin in linears):
             return "a linear layer without panel weights"
         norms += [layer.input_layernorm, layer.post_attention_layernorm, a.q_norm, a.k_norm]
     eps = layers[0].input_layernorm.eps

@@ -15,6 +15,12 @@
  * Per layer: norm -> qkv -> (q/k norm), rope, KV write -> attention per (decode, kv head) ->
  * o_proj -> residual add + norm -> gate_up -> SiLU * up -> down -> residual add + the next
  * norm (the next layer's input norm, or the final norm into `out`).
+ *
+ * A mixture-of-experts layer (Qwen3-MoE, Mixtral: no shared expert) replaces gate_up ... down
+ * by the router's panel matmul, a float32 softmax and top-k per decode (renormalised when the
+ * model says so), a counting sort of the (decode, expert) pairs by expert (stable, as the
+ * eager path's argsort), the rows gathered in that order, the experts' SwiGLU
+ * (moe/moe_cpu.c's team function) and each decode's weighted sum of its k outputs.
  */
 #include <math.h>
 #include <omp.h>
@@ -23,15 +29,32 @@
 
 #include "cpu_decode.h"
 #include "fast_exp.h"
+#include "moe/moe_cpu.h"
 #include "panel.h"
 
 typedef struct {
-    rs_weight qkv, o, gate_up, down;
+    rs_weight router;          /* [num_experts, hidden] */
+    const rs_weight *w13, *w2; /* [num_experts]: [2I, hidden] and [hidden, I] */
+    int64_t num_experts, top_k, renormalize;
+} rs_moe;
+
+typedef struct {
+    rs_weight qkv, o, gate_up, down;     /* gate_up, down unused when moe is set */
     const float *input_norm, *post_norm; /* [hidden] */
     const float *q_norm, *k_norm;        /* [head_dim] (Qwen3), or NULL */
     float *kv_cache;                     /* [2, num_slots, num_kv_heads, head_dim] */
     int64_t window;                      /* sliding window, 0: full attention */
+    const rs_moe *moe;                   /* the layer's experts, or NULL: the dense MLP */
 } rs_layer;
+
+/* The scratch of the MoE layers of one step (sized for the largest of them). */
+typedef struct {
+    float *logits, *weights, *rows, *ys, *swiglu; /* [n, E], [n k], [n k, H] x 2, [n k, 2I] */
+    int64_t *ids, *pos, *counts;                  /* [n k], [n k], [E] */
+    rs_moe_group *groups;                         /* [2 E] */
+    rs_moe_plan plan;
+    int status;
+} moe_scratch;
 
 typedef struct {
     int64_t num_layers, hidden, num_heads, num_kv_heads, head_dim, intermediate;
@@ -123,10 +146,87 @@ static void add_and_norm(const rs_model *m, int64_t n, float *residual, const fl
     }
 }
 
+/* Softmax over one decode's router logits, its top_k experts (the larger index loses a
+ * tie, as torch.topk keeps the first) and their weights, renormalised when asked. */
+static void route_row(const float *logits, int64_t num_experts, int64_t top_k, int renormalize,
+                      int64_t *ids, float *weights)
+{
+    float peak = logits[0], total = 0.f;
+    for (int64_t e = 1; e < num_experts; e++)
+        peak = logits[e] > peak ? logits[e] : peak;
+    for (int64_t e = 0; e < num_experts; e++)
+        total += expf(logits[e] - peak);
+    float kept = 0.f;
+    for (int64_t j = 0; j < top_k; j++) {
+        int64_t best = -1;
+        for (int64_t e = 0; e < num_experts; e++) {
+            int taken = 0;
+            for (int64_t q = 0; q < j; q++)
+                taken |= ids[q] == e;
+            if (!taken && (best < 0 || logits[e] > logits[best]))
+                best = e;
+        }
+        ids[j] = best;
+        weights[j] = expf(logits[best] - peak) / total;
+        kept += weights[j];
+    }
+    if (renormalize)
+        for (int64_t j = 0; j < top_k; j++)
+            weights[j] /= kept;
+}
+
+/* tmp [n, hidden] = the MoE layer's output for normed [n, hidden]; every thread of the team. */
+static void moe_forward(const rs_model *m, const rs_moe *moe, int64_t n, const float *normed,
+                        float *tmp, moe_scratch *ms)
+{
+    const int64_t E = moe->num_experts, k = moe->top_k, hid = m->hidden, pairs = n * k;
+    rs_linear_team(&moe->router, normed, n, hid, ms->logits, E);
+#pragma omp for schedule(static)
+    for (int64_t i = 0; i < n; i++)
+        route_row(ms->logits + i * E, E, k, (int)moe->renormalize, ms->ids + i * k,
+                  ms->weights + i * k);
+#pragma omp single
+    {
+        for (int64_t e = 0; e < E; e++)
+            ms->counts[e] = 0;
+        for (int64_t p = 0; p < pairs; p++)
+            ms->counts[ms->ids[p]]++;
+        int64_t next[E > 0 ? E : 1];
+        int64_t start = 0;
+        for (int64_t e = 0; e < E; e++) {
+            next[e] = start;
+            start += ms->counts[e];
+        }
+        for (int64_t p = 0; p < pairs; p++)
+            ms->pos[p] = next[ms->ids[p]]++;
+        ms->status = rs_moe_make_plan(&ms->plan, moe->w13, moe->w2, E, ms->counts, pairs,
+                                      ms->groups, omp_get_num_threads());
+    }
+    if (ms->status != 0)
+        return; /* cannot happen with ids from route_row; the step reports -2 */
+#pragma omp for schedule(static)
+    for (int64_t p = 0; p < pairs; p++)
+        memcpy(ms->rows + ms->pos[p] * hid, normed + (p / k) * hid, sizeof(float) * (size_t)hid);
+    rs_moe_swiglu_team(&ms->plan, ms->rows, pairs, ms->swiglu, ms->ys);
+#pragma omp for schedule(static)
+    for (int64_t i = 0; i < n; i++) {
+        float *out = tmp + i * hid;
+        for (int64_t c = 0; c < hid; c++)
+            out[c] = 0.f;
+        for (int64_t j = 0; j < k; j++) {
+            const float w = ms->weights[i * k + j];
+            const float *y = ms->ys + ms->pos[i * k + j] * hid;
+#pragma omp simd
+            for (int64_t c = 0; c < hid; c++)
+                out[c] += w * y[c];
+        }
+    }
+}
+
 static void layer_forward(const rs_model *m, const rs_layer *layer, const rs_step *s,
                           const float *next_norm, float *next_out, float *residual,
                           float *normed, float *tmp, float *qkv, float *attn, float *gu,
-                          float *act, float *scores)
+                          float *act, float *scores, moe_scratch *ms)
 {
     const int64_t n = s->n, hid = m->hidden, inter = m->intermediate;
     const int64_t qw = qkv_width(m), aw = m->num_heads * m->head_dim;
@@ -145,6 +245,11 @@ static void layer_forward(const rs_model *m, const rs_layer *layer, const rs_ste
     }
     rs_linear_team(&layer->o, attn, n, aw, tmp, hid);
     add_and_norm(m, n, residual, tmp, layer->post_norm, normed);
+    if (layer->moe != NULL) {
+        moe_forward(m, layer->moe, n, normed, tmp, ms);
+        add_and_norm(m, n, residual, tmp, next_norm, next_out);
+        return;
+    }
     rs_linear_team(&layer->gate_up, normed, n, hid, gu, 2 * inter);
 #pragma omp for schedule(static)
     for (int64_t i = 0; i < n; i++) {
@@ -174,6 +279,37 @@ int rs_decode_step(const rs_model *m, const rs_step *s)
     float *scores = malloc(sizeof(float) * (size_t)(per_thread * s->nthreads));
     if (scores == NULL)
         return -1;
+    moe_scratch ms = {0};
+    void *moe_block = NULL;
+    int64_t max_e = 0, max_k = 0, max_i = 0;
+    for (int64_t l = 0; l < m->num_layers; l++) {
+        const rs_moe *moe = m->layers[l].moe;
+        if (moe == NULL)
+            continue;
+        max_e = moe->num_experts > max_e ? moe->num_experts : max_e;
+        max_k = moe->top_k > max_k ? moe->top_k : max_k;
+        max_i = moe->w2[0].k > max_i ? moe->w2[0].k : max_i;
+    }
+    if (max_e > 0) {
+        const int64_t pairs = n * max_k;
+        const size_t floats = (size_t)(n * max_e + pairs + 2 * pairs * hid + pairs * 2 * max_i);
+        const size_t ints = (size_t)(2 * pairs + max_e);
+        moe_block = malloc(sizeof(float) * floats + sizeof(int64_t) * ints
+                           + sizeof(rs_moe_group) * 2 * (size_t)max_e);
+        if (moe_block == NULL) {
+            free(scores);
+            return -1;
+        }
+        ms.groups = moe_block;
+        ms.ids = (int64_t *)(ms.groups + 2 * max_e);
+        ms.pos = ms.ids + pairs;
+        ms.counts = ms.pos + pairs;
+        ms.logits = (float *)(ms.counts + max_e);
+        ms.weights = ms.logits + n * max_e;
+        ms.rows = ms.weights + pairs;
+        ms.ys = ms.rows + pairs * hid;
+        ms.swiglu = ms.ys + pairs * hid;
+    }
     float *residual = s->work, *normed = residual + n * hid, *tmp = normed + n * hid;
     float *qkv = tmp + n * hid, *attn = qkv + n * qkv_width(m);
     float *gu = attn + n * m->num_heads * m->head_dim, *act = gu + n * 2 * m->intermediate;
@@ -192,9 +328,10 @@ int rs_decode_step(const rs_model *m, const rs_step *s)
             layer_forward(m, &m->layers[l], s,
                           last ? m->final_norm : m->layers[l + 1].input_norm,
                           last ? s->out : normed, residual, normed, tmp, qkv, attn, gu, act,
-                          mine);
+                          mine, &ms);
         }
     }
     free(scores);
-    return 0;
+    free(moe_block);
+    return ms.status == 0 ? 0 : -2;
 }

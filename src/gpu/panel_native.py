@@ -31,7 +31,8 @@ logger = logging.getLogger(__name__)
 _DIR = Path(__file__).parent
 SOURCES = (_DIR / "panel_f32.c", _DIR / "panel_quant.c", _DIR / "decode_step.c",
            _DIR / "attention" / "cpu_decode.c", _DIR / "moe" / "moe_cpu.c")
-HEADERS = (_DIR / "panel.h", _DIR / "fast_exp.h", _DIR / "attention" / "cpu_decode.h")
+HEADERS = (_DIR / "panel.h", _DIR / "fast_exp.h", _DIR / "attention" / "cpu_decode.h",
+           _DIR / "moe" / "moe_cpu.h")
 
 PANEL = 16  # output channels per panel (RS_PANEL)
 INT4_GROUP = 32  # inputs per int4 scale / min (RS_INT4_GROUP)

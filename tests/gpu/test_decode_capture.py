@@ -22,8 +22,9 @@ from ringserve.sampling_params import SamplingParams
 
 LADDER = [1, 2, 4, 8]
 # Llama, Mistral, Qwen2 (qkv bias, tied), Qwen3 (q/k norm), Phi-3 (sliding window 8),
-# Phi-4-mini (partial rotary, longrope).
-FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "phi4mini")
+# Phi-4-mini (partial rotary, longrope), and the mixtures of experts without a shared expert:
+# Qwen3-MoE (a dense layer among the sparse ones, renormalised top-2), Mixtral.
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "phi4mini", "qwen3moe", "mixtral")
 
 
 def _runner(model: Path, *, enforce_eager: bool = False, quantization: str | None = None,
@@ -107,9 +108,23 @@ def test_captured_steps_read_quantized_panels_as_the_eager_layers_do(quantizatio
         np.testing.assert_allclose(got_lp[req_id], lp, atol=2e-4, rtol=0)
 
 
+@pytest.mark.parametrize("quantization", ["int8", "int4"])
+def test_captured_moe_steps_read_quantized_experts(quantization: str) -> None:
+    model = tiny_model("qwen3moe")
+    expected, expected_lp = _mix(_runner(model, enforce_eager=True, quantization=quantization))
+    runner = _runner(model, quantization=quantization)
+    assert runner.capture is not None, runner.capture_reason
+    got, got_lp = _mix(runner)
+    assert got == expected
+    for req_id, lp in expected_lp.items():
+        np.testing.assert_allclose(got_lp[req_id], lp, atol=2e-4, rtol=0)
+
+
 def test_gemma_and_the_torch_backend_run_eagerly_with_a_reason() -> None:
     gemma = _runner(tiny_model("gemma2"))
     assert gemma.capture is None and "own layer structure" in gemma.capture_reason
+    shared = _runner(tiny_model("qwen2moe"))
+    assert shared.capture is None and "shared expert" in shared.capture_reason
     torch_backend = _runner(tiny_model("llama"), backend="torch")
     assert torch_backend.capture is None and "torch attention backend" in torch_backend.capture_reason
 

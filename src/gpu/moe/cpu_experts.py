@@ -132,6 +132,16 @@ class PackedExperts:
                     if dst is not None and src is not None:
                         dst.copy_(src)
 
+    @property
+    def w13_array(self) -> int:
+        """The address of the experts' gate-up `rs_weight` array (valid while this lives)."""
+        return self._w13_address
+
+    @property
+    def w2_array(self) -> int:
+        """The address of the experts' down `rs_weight` array (valid while this lives)."""
+        return self._w2_address
+
     def panels(self) -> list[PanelWeight]:
         """Every expert's gate-up then down panels (what a weight checksum covers)."""
         return [*self._w13, *self._w2]
