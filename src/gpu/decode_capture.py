@@ -47,7 +47,7 @@ _i64 = ctypes.c_int64
 class _RsMoe(ctypes.Structure):
     _fields_ = [
         ("router", RsWeight), ("w13", _ptr), ("w2", _ptr), ("num_experts", _i64),
-        ("top_k", _i64), ("renormalize", _i64),
+        ("top_k", _i64), ("renormalize", _i64), ("load", _ptr),
     ]
 
 
@@ -152,9 +152,13 @@ class DecodeCapture:
         experts = mlp.experts
         assert isinstance(experts.packed, PackedExperts)  # checked by _unsupported
         router = pack_f32(mlp.gate.weight.data)
+        load = experts.load_counts  # the C step counts into the same tensor as the eager block
+        if load is not None and (load.dtype != torch.int64 or not load.is_contiguous()):
+            raise ValueError("expert-load counts must be a contiguous int64 tensor")
         view = _RsMoe(router.struct, experts.packed.w13_array, experts.packed.w2_array,
-                      experts.num_experts, mlp.top_k, int(mlp.renormalize))
-        self._keep.extend([router, experts.packed, view])
+                      experts.num_experts, mlp.top_k, int(mlp.renormalize),
+                      load.data_ptr() if load is not None else None)
+        self._keep.extend([router, experts.packed, view, load])
         return view
 
     @classmethod

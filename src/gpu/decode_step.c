@@ -36,6 +36,7 @@ typedef struct {
     rs_weight router;          /* [num_experts, hidden] */
     const rs_weight *w13, *w2; /* [num_experts]: [2I, hidden] and [hidden, I] */
     int64_t num_experts, top_k, renormalize;
+    int64_t *load; /* [num_experts] routings counted (--enable-expert-load-metrics), or NULL */
 } rs_moe;
 
 typedef struct {
@@ -191,6 +192,9 @@ static void moe_forward(const rs_model *m, const rs_moe *moe, int64_t n, const f
             ms->counts[e] = 0;
         for (int64_t p = 0; p < pairs; p++)
             ms->counts[ms->ids[p]]++;
+        if (moe->load != NULL)
+            for (int64_t e = 0; e < E; e++)
+                moe->load[e] += ms->counts[e];
         int64_t next[E > 0 ? E : 1];
         int64_t start = 0;
         for (int64_t e = 0; e < E; e++) {

@@ -177,6 +177,8 @@ class ModelRunner:
                                              device=self.device)
                                  for layer in self._moe_layers()]
         self._attach_expert_load()
+        if self.capture is not None:
+            self.capture_decode()  # the captured step counts into the same tensors
 
     def expert_load(self) -> list[list[int]]:
         """The counts since `enable_expert_load`: per MoE layer (in layer order), per expert;

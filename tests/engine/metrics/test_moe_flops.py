@@ -33,15 +33,15 @@ def _flops(preset: str) -> ModelFlops:
 
 
 def test_qwen3_moe_counts_top_k_experts_on_sparse_layers_only() -> None:
-    # 3 layers, layer 1 dense (mlp_only_layers); 8 experts of 48, top-2, no shared expert;
+    # 3 layers, layer 1 dense (mlp_only_layers); 8 experts of 64, top-2, no shared expert;
     # heads of 32.
     flops = _flops("qwen3moe")
     assert flops.moe is not None and flops.moe.sparse_layers == (0, 2)
     d = 32
     projections = 2 * H * NQ * d + 2 * H * 2 * NKV * d + 2 * NQ * d * H
-    sparse = 2 * H * 8 + 2 * (3 * 2 * H * 48)
+    sparse = 2 * H * 8 + 2 * (3 * 2 * H * 64)
     per_token = 3 * projections + 1 * DENSE_MLP + 2 * sparse
-    assert flops.dense_flops_per_token() == per_token == 3 * 49152 + 49152 + 2 * 37888
+    assert flops.dense_flops_per_token() == per_token == 3 * 49152 + 49152 + 2 * 50176
     assert flops.request_flops(5, 0) == (5 * per_token + 3 * 4 * NQ * d * (1 + 2 + 3 + 4 + 5)
                                          + 2 * H * VOCAB)
 
