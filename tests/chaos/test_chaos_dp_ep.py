@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-from test_chaos import EXECUTE_TIMEOUT_S, SLACK, STREAMS, Chaos, _pool_is_full
+from test_chaos import EXECUTE_TIMEOUT_S, SLACK, STREAMS, Chaos, _pool_is_full, _write_report
 from test_http_server import ADMIN_KEY, LiveServer, _auth
 
 from ringserve.gpu.testing import tiny_model
@@ -105,3 +105,4 @@ async def test_chaos_dp_ep(tmp_path: Path) -> None:
             await _pool_is_full(chaos)
     assert chaos.streams["errored"] + chaos.streams["finished"] == 2 * STREAMS
     assert chaos.streams["errored"] == 2 * STREAMS  # lockstep: no core runs on alone
+    _write_report(chaos)  # RINGSERVE_CHAOS_REPORT=path.json keeps the timings
