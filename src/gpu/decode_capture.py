@@ -12,8 +12,8 @@ made at capture time for the largest batch of the ladder.
 
 What the C step covers is what the eager Llama stack (`ringserve.gpu.models.llama.LlamaModel`)
 computes: Llama, Mistral, Qwen2 (qkv bias), Qwen3 (q/k norm) and Phi-3, sliding windows
-included, and the mixtures of experts without a shared expert (Qwen3-MoE, Mixtral: router,
-top-k and the experts' panels in C too), at tensor-parallel size 1 without expert
+included, and the mixtures of experts (Qwen3-MoE, Mixtral, Qwen2-MoE with its shared expert:
+router, top-k and the experts' panels in C too), at tensor-parallel size 1 without expert
 parallelism, in float32 with the CPU attention backend. Any other model
 or setting runs eagerly; `DecodeCapture.build` returns the reason, which the runner logs once.
 
@@ -47,7 +47,8 @@ _i64 = ctypes.c_int64
 class _RsMoe(ctypes.Structure):
     _fields_ = [
         ("router", RsWeight), ("w13", _ptr), ("w2", _ptr), ("num_experts", _i64),
-        ("top_k", _i64), ("renormalize", _i64), ("load", _ptr),
+        ("top_k", _i64), ("renormalize", _i64), ("load", _ptr), ("shared_gate", _ptr),
+        ("shared_inter", _i64),
     ]
 
 
@@ -131,7 +132,8 @@ class DecodeCapture:
         cos_sin = stack.rotary.cos_sin
         self._model = _RsModel(
             len(kv_caches), spec.hidden_size, attn.num_heads, attn.num_kv_heads, attn.head_dim,
-            spec.intermediate_size, stack.rotary.rotary_dim, cos_sin.shape[1], self._num_slots,
+            max(spec.intermediate_size, getattr(spec, "shared_expert_intermediate_size", 0)),
+            stack.rotary.rotary_dim, cos_sin.shape[1], self._num_slots,
             block_size, stack.embed_tokens.weight.shape[0], first.input_layernorm.eps,
             attn.scale, cos_sin.data_ptr(), stack.embed_tokens.weight.data_ptr(),
             _data(stack.norm), ctypes.addressof(layers),
@@ -155,10 +157,15 @@ class DecodeCapture:
         load = experts.load_counts  # the C step counts into the same tensor as the eager block
         if load is not None and (load.dtype != torch.int64 or not load.is_contiguous()):
             raise ValueError("expert-load counts must be a contiguous int64 tensor")
+        gate = mlp.shared_expert_gate
+        shared_gate = gate.weight.data.reshape(-1).contiguous() if gate is not None else None
+        shared = mlp.shared_expert
         view = _RsMoe(router.struct, experts.packed.w13_array, experts.packed.w2_array,
                       experts.num_experts, mlp.top_k, int(mlp.renormalize),
-                      load.data_ptr() if load is not None else None)
-        self._keep.extend([router, experts.packed, view, load])
+                      load.data_ptr() if load is not None else None,
+                      shared_gate.data_ptr() if shared_gate is not None else None,
+                      shared.gate_up_proj.local_sizes[0] if shared is not None else 0)
+        self._keep.extend([router, experts.packed, view, load, shared_gate])
         return view
 
     @classmethod
@@ -223,6 +230,8 @@ def _panels(layer: LlamaDecoderLayer) -> list[PanelWeight]:
         layer.self_attn.qkv_proj, layer.self_attn.o_proj)
     if isinstance(mlp, LlamaMLP):  # else an MoE block (`DecodeCapture._moe`)
         linears += (mlp.gate_up_proj, mlp.down_proj)
+    elif isinstance(mlp, SparseMoeBlock) and mlp.shared_expert is not None:
+        linears += (mlp.shared_expert.gate_up_proj, mlp.shared_expert.down_proj)
     panels = [linear.panel for linear in linears]
     assert all(p is not None for p in panels)  # checked by _unsupported
     return [p for p in panels if p is not None]
@@ -232,8 +241,9 @@ def _moe_unsupported(mlp: object) -> str:
     """Why the C step cannot run this feed-forward block ("" for an MoE block it can)."""
     if not isinstance(mlp, SparseMoeBlock):
         return f"a {type(mlp).__name__} feed-forward layer"
-    if mlp.shared_expert is not None:
-        return "a shared expert (Qwen2-MoE)"
+    gate = mlp.shared_expert_gate
+    if gate is not None and gate.weight.dtype != torch.float32:
+        return "a shared-expert gate that is not float32"
     if mlp.experts.ep is not None:
         return "expert parallelism (the all-to-all runs in torch)"
     if not isinstance(mlp.experts.packed, PackedExperts):
@@ -275,6 +285,9 @@ def _unsupported(library: ctypes.CDLL | None, model: LlamaForCausalLM,
             why = _moe_unsupported(mlp)
             if why:
                 return why
+            assert isinstance(mlp, SparseMoeBlock)
+            if mlp.shared_expert is not None:
+                linears += [mlp.shared_expert.gate_up_proj, mlp.shared_expert.down_proj]
         if a.logits_soft_cap is not None:
             return "attention logit soft-capping"
         if any(getattr(lin, "panel", None) is None for lin in linears):

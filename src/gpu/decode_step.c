@@ -16,11 +16,12 @@
  * o_proj -> residual add + norm -> gate_up -> SiLU * up -> down -> residual add + the next
  * norm (the next layer's input norm, or the final norm into `out`).
  *
- * A mixture-of-experts layer (Qwen3-MoE, Mixtral: no shared expert) replaces gate_up ... down
+ * A mixture-of-experts layer (Qwen3-MoE, Mixtral, Qwen2-MoE) replaces gate_up ... down
  * by the router's panel matmul, a float32 softmax and top-k per decode (renormalised when the
  * model says so), a counting sort of the (decode, expert) pairs by expert (stable, as the
  * eager path's argsort), the rows gathered in that order, the experts' SwiGLU
- * (moe/moe_cpu.c's team function) and each decode's weighted sum of its k outputs.
+ * (moe/moe_cpu.c's team function) and each decode's weighted sum of its k outputs, plus
+ * the shared expert where there is one (the layer's gate_up / down, gated by a sigmoid).
  */
 #include <math.h>
 #include <omp.h>
@@ -37,6 +38,10 @@ typedef struct {
     const rs_weight *w13, *w2; /* [num_experts]: [2I, hidden] and [hidden, I] */
     int64_t num_experts, top_k, renormalize;
     int64_t *load; /* [num_experts] routings counted (--enable-expert-load-metrics), or NULL */
+    /* A shared expert (Qwen2-MoE): the layer's gate_up / down panels, intermediate
+     * shared_inter, scaled per decode by sigmoid(x . shared_gate); NULL: none. */
+    const float *shared_gate; /* [hidden] */
+    int64_t shared_inter;
 } rs_moe;
 
 typedef struct {
@@ -227,6 +232,22 @@ static void moe_forward(const rs_model *m, const rs_moe *moe, int64_t n, const f
     }
 }
 
+/* out [n, hidden] = down(SiLU(gate(x)) * up(x)) with the layer's gate_up / down panels. */
+static void swiglu_mlp(const rs_layer *layer, int64_t n, int64_t hid, int64_t inter,
+                       const float *x, float *gu, float *act, float *out)
+{
+    rs_linear_team(&layer->gate_up, x, n, hid, gu, 2 * inter);
+#pragma omp for schedule(static)
+    for (int64_t i = 0; i < n; i++) {
+        const float *g = gu + i * 2 * inter, *u = g + inter;
+        float *a = act + i * inter;
+#pragma omp simd
+        for (int64_t j = 0; j < inter; j++)
+            a[j] = g[j] / (1.f + rs_exp(-g[j])) * u[j];
+    }
+    rs_linear_team(&layer->down, act, n, inter, out, hid);
+}
+
 static void layer_forward(const rs_model *m, const rs_layer *layer, const rs_step *s,
                           const float *next_norm, float *next_out, float *residual,
                           float *normed, float *tmp, float *qkv, float *attn, float *gu,
@@ -249,21 +270,29 @@ static void layer_forward(const rs_model *m, const rs_layer *layer, const rs_ste
     }
     rs_linear_team(&layer->o, attn, n, aw, tmp, hid);
     add_and_norm(m, n, residual, tmp, layer->post_norm, normed);
-    if (layer->moe != NULL) {
-        moe_forward(m, layer->moe, n, normed, tmp, ms);
+    const rs_moe *moe = layer->moe;
+    if (moe != NULL) {
+        moe_forward(m, moe, n, normed, tmp, ms);
+        if (moe->shared_gate != NULL) {
+            /* The routed rows are consumed: their buffer holds the shared expert's output. */
+            float *shared = ms->rows;
+            swiglu_mlp(layer, n, hid, moe->shared_inter, normed, gu, act, shared);
+#pragma omp for schedule(static)
+            for (int64_t i = 0; i < n; i++) {
+                const float *x = normed + i * hid, *y = shared + i * hid;
+                float dot = 0.f;
+                for (int64_t c = 0; c < hid; c++)
+                    dot += x[c] * moe->shared_gate[c];
+                const float gate = 1.f / (1.f + expf(-dot));
+                float *out = tmp + i * hid;
+                for (int64_t c = 0; c < hid; c++)
+                    out[c] += gate * y[c];
+            }
+        }
         add_and_norm(m, n, residual, tmp, next_norm, next_out);
         return;
     }
-    rs_linear_team(&layer->gate_up, normed, n, hid, gu, 2 * inter);
-#pragma omp for schedule(static)
-    for (int64_t i = 0; i < n; i++) {
-        const float *g = gu + i * 2 * inter, *u = g + inter;
-        float *a = act + i * inter;
-#pragma omp simd
-        for (int64_t j = 0; j < inter; j++)
-            a[j] = g[j] / (1.f + rs_exp(-g[j])) * u[j];
-    }
-    rs_linear_team(&layer->down, act, n, inter, tmp, hid);
+    swiglu_mlp(layer, n, hid, inter, normed, gu, act, tmp);
     add_and_norm(m, n, residual, tmp, next_norm, next_out);
 }
 

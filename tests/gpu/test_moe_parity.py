@@ -25,6 +25,7 @@ from gpu_helpers import (
     run_parity,
 )
 
+from ringserve.gpu.attention.backend import BackendName
 from ringserve.gpu.moe.dispatch import EPGroup, set_ep_group
 from ringserve.gpu.moe.router import select_experts
 from ringserve.gpu.testing import tiny_model
@@ -39,10 +40,13 @@ def _expected(family: str) -> list[tuple[list[int], torch.Tensor]]:
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("backend", ["torch", "cpu"])  # cpu: decodes in the captured C step
 @pytest.mark.parametrize("family", FAMILIES)
-def test_moe_greedy_parity(family: str) -> None:
+def test_moe_greedy_parity(family: str, backend: BackendName) -> None:
     torch.set_num_threads(2)
-    assert_matches_hf(run_parity(make_runner(tiny_model(family)), NEW_TOKENS), _expected(family))
+    runner = make_runner(tiny_model(family), backend=backend)
+    assert (runner.capture is not None) == (backend == "cpu"), runner.capture_reason
+    assert_matches_hf(run_parity(runner, NEW_TOKENS), _expected(family))
 
 
 @pytest.mark.parametrize("family", FAMILIES)
