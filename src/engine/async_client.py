@@ -24,7 +24,6 @@ the core is crash-looping (restarted `RINGSERVE_CORE_RESTART_LIMIT` times within
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import logging
 import os
@@ -80,13 +79,9 @@ class AsyncMPClient:
         # by the process that outlives its cores (`ringserve.engine.dp_wave`).
         self._store: Any = None
         if config.parallel_config.lockstep:
-            from ringserve.engine.dp_wave import EPOCH_KEY  # torch, only for this deployment
-            from ringserve.gpu.parallel import serve_store
+            from ringserve.engine import dp_wave  # torch, only for this deployment
 
-            self._store = serve_store()
-            self._store.set(EPOCH_KEY, "0")
-            config = dataclasses.replace(config, parallel_config=dataclasses.replace(
-                config.parallel_config, data_parallel_master_port=int(self._store.port)))
+            self._store, config = dp_wave.serve_lockstep(config)
         self.config = config
         self.num_engines = config.parallel_config.data_parallel_size
         # Built first: a bad budget setting fails the start before any socket exists.
@@ -428,9 +423,9 @@ class AsyncMPClient:
         """Mark a core UNHEALTHY while it restarts and fail its pending utility calls."""
         self.restarting.add(index)
         if self._store is not None:  # the other cores of the lockstep cannot step alone
-            from ringserve.engine.dp_wave import announce_fault, current_epoch
+            from ringserve.engine import dp_wave
 
-            announce_fault(self._store, current_epoch(self._store), fault)
+            dp_wave.announce_fault(self._store, dp_wave.current_epoch(self._store), fault)
         state = self.fault_states[index]
         state.status = str(EngineStatus.UNHEALTHY)
         state.fault_info = fault

@@ -264,25 +264,12 @@ class EngineCore(WeightSyncMixin):
 
     def _with_expert_load(self, outputs: dict[int, EngineCoreOutputs]
                           ) -> dict[int, EngineCoreOutputs]:
-        """After a step: when a pull is due (`ExpertLoadPuller.due`), add the expert load
-        since the previous pull to the step's stats.
-
-        Raises:
-            WorkerTimeoutError, ExecutorError: the workers did not answer (an engine fault).
-        """
-        puller = self.expert_load
-        if puller is None:
-            return outputs
-        stats = next((b.scheduler_stats for b in outputs.values()
-                      if b.scheduler_stats is not None), None)
-        if stats is None:
-            return outputs
-        now = time.monotonic()
-        idle = not self.scheduler.has_unfinished_requests()
-        if puller.due(self.executor, stats.step_counter, idle, now):
-            # Waits for the steps still in flight (the workers serve calls in order).
-            replies = self._worker_call(EXPERT_LOAD_METHOD, (), self.step_timeout)
-            stats.expert_load = puller.take(self.executor, replies[0], stats.step_counter, now)
+        """After a step: the expert load since the previous pull, when one is due, in the
+        step's stats (`ExpertLoadPuller.add_to`)."""
+        if self.expert_load is not None:
+            self.expert_load.add_to(
+                outputs.values(), self.executor, not self.scheduler.has_unfinished_requests(),
+                lambda: self._worker_call(EXPERT_LOAD_METHOD, (), self.step_timeout)[0])
         return outputs
 
     def _schedule(self) -> SchedulerOutput:

@@ -251,17 +251,11 @@ class EngineCoreProc:
         try:
             self.core = EngineCore(self.config, self._executor_class, self.engine_index,
                                    wake=lambda: self.input_queue.put(_WAKE))
+            self.join_lockstep()
         except Exception as exc:  # reported to the frontend, which raises it
             # This process ends by itself now: the frontend's SIGTERM, which follows the reply,
             # must not raise at an arbitrary point of the teardown (inside a GC callback it
             # printed "Exception ignored ... _Shutdown" under the one-line error).
-            signal.signal(signal.SIGTERM, signal.SIG_IGN)
-            self.output_queue.put(HandshakeReply(ready=False, error=describe(exc),
-                                                 engine_index=self.engine_index))
-            return False
-        try:
-            self.join_lockstep()
-        except Exception as exc:
             signal.signal(signal.SIGTERM, signal.SIG_IGN)
             self.output_queue.put(HandshakeReply(ready=False, error=describe(exc),
                                                  engine_index=self.engine_index))

@@ -28,6 +28,7 @@ workers and groups in the new epoch (a restarted core process joins it from the 
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 from collections.abc import Callable
@@ -36,7 +37,8 @@ from typing import Any
 
 import torch
 
-from ringserve.gpu.parallel import connect_store, gloo_group
+from ringserve.config import EngineConfig
+from ringserve.gpu.parallel import connect_store, gloo_group, serve_store
 
 logger = logging.getLogger(__name__)
 
@@ -50,6 +52,16 @@ DEFAULT_TIMEOUT_S = 60.0
 def lockstep_timeout(execute_model_timeout_s: float | None) -> float:
     """How long a collective of the lockstep deployment may wait for a peer."""
     return execute_model_timeout_s or DEFAULT_TIMEOUT_S
+
+
+def serve_lockstep(config: EngineConfig) -> tuple[Any, EngineConfig]:
+    """The frontend's store for a lockstep deployment, at epoch 0, and `config` naming its
+    port (the cores and their workers meet there)."""
+    store = serve_store()
+    store.set(EPOCH_KEY, "0")
+    parallel = dataclasses.replace(config.parallel_config,
+                                   data_parallel_master_port=int(store.port))
+    return store, dataclasses.replace(config, parallel_config=parallel)
 
 
 def current_epoch(store: Any) -> int:

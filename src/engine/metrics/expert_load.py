@@ -21,9 +21,15 @@ log line shows the worst layer's max / mean expert load (`imbalance`). Plain Pyt
 from __future__ import annotations
 
 import logging
+import time
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING
 
 from ringserve.config import EngineConfig
 from ringserve.moe_shape import MoeShape, moe_shape
+
+if TYPE_CHECKING:
+    from ringserve.engine.wire import EngineCoreOutputs
 
 logger = logging.getLogger(__name__)
 
@@ -80,6 +86,22 @@ class ExpertLoadPuller:
         if source is self._source and step_counter == self._last_step:
             return False
         return idle or now >= self._next_pull
+
+    def add_to(self, batches: Iterable[EngineCoreOutputs], source: object, idle: bool,
+               pull: Callable[[], list[list[int]]]) -> None:
+        """After a step: when a pull is due (`due`), call `pull` (rank 0's cumulative counts;
+        it waits for the steps still in flight) and put the load since the previous pull
+        into the step's stats.
+
+        Raises:
+            WorkerTimeoutError, ExecutorError: from `pull` (an engine fault).
+        """
+        stats = next((b.scheduler_stats for b in batches if b.scheduler_stats is not None), None)
+        if stats is None:
+            return
+        now = time.monotonic()
+        if self.due(source, stats.step_counter, idle, now):
+            stats.expert_load = self.take(source, pull(), stats.step_counter, now)
 
     def take(self, source: object, cumulative: list[list[int]], step_counter: int,
              now: float) -> list[list[int]] | None:

@@ -12,6 +12,8 @@ oracle of the tests, as this module is the oracle of the Triton kernel (`triton_
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 
@@ -80,8 +82,18 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     Returns:
         [T, H]: sum over k of topk_weights[t, k] * expert_{topk_ids[t, k]}(x[t]).
     """
-    order, token, counts = sort_by_expert(topk_ids, w13.shape[0])
-    y = grouped_swiglu(x[token], w13, w2, counts)
+    return combine_experts(x, topk_weights, topk_ids, w13.shape[0],
+                           lambda rows, counts: grouped_swiglu(rows, w13, w2, counts))
+
+
+def combine_experts(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                    num_experts: int,
+                    swiglu: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """`fused_experts` with the experts' computation given: `swiglu(rows, counts)` runs the
+    experts on rows grouped by expert (`grouped_swiglu`, or the C kernel of
+    `ringserve.gpu.moe.cpu_experts`)."""
+    order, token, counts = sort_by_expert(topk_ids, num_experts)
+    y = swiglu(x[token], counts)
     y *= topk_weights.reshape(-1)[order].unsqueeze(1).to(y.dtype)
     return torch.zeros_like(x).index_add_(0, token, y)
 

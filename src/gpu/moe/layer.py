@@ -18,13 +18,11 @@ through torch's grouped GEMM otherwise, and through the Triton kernel on CUDA.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 from torch import nn
 
 from ringserve.gpu.linear import check_shape
-from ringserve.gpu.moe import grouped
+from ringserve.gpu.moe import cpu_experts, grouped
 from ringserve.gpu.moe.dispatch import EPGroup
 from ringserve.gpu.parallel import TPGroup
 
@@ -69,7 +67,7 @@ class FusedMoE(nn.Module):
                                 requires_grad=False)
         self.w2 = nn.Parameter(torch.empty(e, hidden_size, self.inter, dtype=dtype),
                                requires_grad=False)
-        self.packed: object | None = None  # cpu_experts.PackedExperts after loading
+        self.packed: cpu_experts.PackedExperts | None = None  # after loading, on CPU
         self.load_counts: torch.Tensor | None = None  # [E] tokens routed, when recorded
 
     def owns(self, expert: int) -> bool:
@@ -107,13 +105,11 @@ class FusedMoE(nn.Module):
 
     def process_weights_after_loading(self) -> None:
         """Pack the experts for the CPU kernel (float32 panels, or int8 / int4) when it is
-        available; `load_expert` followed by this again repacks (weight updates).
+        available; the plain weights are dropped then (weight updates: `refresh_from`).
 
         Raises:
             ValueError: quantization was asked for where the CPU kernel cannot run.
         """
-        from ringserve.gpu.moe import cpu_experts
-
         usable = (self.w13.device.type == "cpu" and self.w13.dtype == torch.float32
                   and cpu_experts.available())
         if usable:
@@ -130,9 +126,7 @@ class FusedMoE(nn.Module):
     def refresh_from(self, loaded: FusedMoE) -> None:
         """Take the weights of `loaded` (the same layer, just loaded, not processed) in
         place: into the packed panels, or the plain weights (a weight update)."""
-        from ringserve.gpu.moe import cpu_experts
-
-        if isinstance(self.packed, cpu_experts.PackedExperts):
+        if self.packed is not None:
             self.packed.refresh(loaded.w13.data, loaded.w2.data)
         else:
             self.w13.data.copy_(loaded.w13.data)
@@ -140,9 +134,7 @@ class FusedMoE(nn.Module):
 
     def swiglu(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """This rank's experts on rows grouped by local expert (`counts` [E_local])."""
-        from ringserve.gpu.moe import cpu_experts
-
-        if isinstance(self.packed, cpu_experts.PackedExperts):
+        if self.packed is not None:
             return self.packed.forward(rows.contiguous(), counts)
         return grouped.grouped_swiglu(rows, self.w13, self.w2, counts)
 
@@ -163,15 +155,9 @@ class FusedMoE(nn.Module):
 
             out = triton_moe.fused_moe(x, self.w13, self.w2, topk_weights, topk_ids)
         else:
-            out = self._grouped(x, topk_weights, topk_ids, self.swiglu)
+            out = grouped.combine_experts(x, topk_weights, topk_ids, self.num_experts,
+                                          self.swiglu)
         return self.tp.all_reduce(out)
-
-    def _grouped(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
-                 swiglu: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> torch.Tensor:
-        order, token, counts = grouped.sort_by_expert(topk_ids, self.num_experts)
-        y = swiglu(x[token], counts)
-        y *= topk_weights.reshape(-1)[order].unsqueeze(1).to(y.dtype)
-        return torch.zeros_like(x).index_add_(0, token, y)
 
     def _local_compute(self, rows: torch.Tensor, local_ids: torch.Tensor) -> torch.Tensor:
         order = torch.argsort(local_ids, stable=True)
