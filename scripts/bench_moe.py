@@ -298,6 +298,36 @@ def hf_experts_implementation(model: str) -> str:
                or "-")
 
 
+def bench_eager_ab(runs: int) -> dict[str, Any]:
+    """The MoE model on the fixed workload, ringserve with its captured decode step against
+    `--enforce-eager` (every step eager), alternated once per round in the same run."""
+    from ringserve.engine.bench_throughput import check_counts, ringserve_runner
+
+    model = moe_model_dir()
+    prompts, outs = workload("fixed")
+    names = {"captured decode step": {}, "--enforce-eager": {"enforce_eager": True}}
+    rates: dict[str, list[float]] = {name: [] for name in names}
+    problems: list[str] = []
+    for i in range(runs):
+        for name, engine in names.items():
+            with ringserve_runner(model, prompts, outs, **engine) as run:
+                sample = run()
+            credited, bad = check_counts(name, sample.generated, outs)
+            problems += [f"round {i + 1}: {line}" for line in bad]
+            rates[name].append(credited / sample.seconds)
+    ratios = [a / b for a, b in zip(*rates.values(), strict=True)]
+    print(f"\n### MoE decode: captured step vs --enforce-eager, fixed workload "
+          f"({sum(outs):,} output tokens)")
+    if problems:
+        print(f"!!! TOKEN COUNT MISMATCH ({len(problems)}): " + "; ".join(problems[:10]))
+    print(f"\n| ringserve | output tok/s (median of {runs}, range) |\n|---|---:|")
+    for name in names:
+        print(f"| {name} | {span(rates[name], ',.0f')} |")
+    print(f"\ncaptured / eager per round: {', '.join(f'{r:.2f}' for r in ratios)}; "
+          f"median {span(ratios, '.2f')}x")
+    return {"tok_per_s": rates, "ratio_runs": ratios, "token_count_problems": problems}
+
+
 def bench_offline(model_name: str, workload_name: str, runs: int) -> dict[str, Any]:
     """Part 2: ringserve and transformers once per round; prints the check and the table."""
     from ringserve.engine.bench_throughput import (
@@ -361,6 +391,8 @@ def main() -> int:
     p.add_argument("--runs", type=int, default=3, help="rounds of the offline part")
     p.add_argument("--skip-layer", action="store_true")
     p.add_argument("--skip-offline", action="store_true")
+    p.add_argument("--eager-ab", action="store_true",
+                   help="also: the captured decode step against --enforce-eager (MoE model)")
     p.add_argument("--workloads", default="fixed",
                    help="offline workloads: fixed (equal outputs), dense (bench throughput's)")
     p.add_argument("--offline-models", default="moe",
@@ -389,6 +421,8 @@ def main() -> int:
         report["layer"] = [bench_layer(SHAPES[s], tokens, ns.rounds) for s in shapes]
     if not ns.skip_offline:
         report["offline"] = [bench_offline(m, w, ns.runs) for m in models for w in workloads]
+    if ns.eager_ab:
+        report["eager_ab"] = bench_eager_ab(ns.runs)
     report["load_average_end"] = os.getloadavg()
     print(f"\nload average at the end: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
     print(json.dumps(report))

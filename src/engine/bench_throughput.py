@@ -67,12 +67,14 @@ Runner = Callable[[], Sample]
 
 
 @contextlib.contextmanager
-def ringserve_runner(model: str, prompts: list[list[int]], outs: list[int]) -> Iterator[Runner]:
-    """`LLM.generate` over the workload (after a warm-up request), prefix cache reset each run."""
+def ringserve_runner(model: str, prompts: list[list[int]], outs: list[int],
+                     **engine: Any) -> Iterator[Runner]:
+    """`LLM.generate` over the workload (after a warm-up request), prefix cache reset each run;
+    `engine`: further `LLM` arguments (e.g. enforce_eager=True)."""
     from ringserve import LLM, SamplingParams
 
     params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in outs]
-    with LLM(model, device="cpu", kv_cache_memory=256 << 20) as llm:
+    with LLM(model, device="cpu", kv_cache_memory=256 << 20, **engine) as llm:
         llm.generate([{"prompt_token_ids": prompts[0]}], params[0], use_tqdm=False)
 
         def run() -> Sample:
