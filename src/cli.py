@@ -55,6 +55,7 @@ def _serve(ns: argparse.Namespace) -> int:
         check_serve_args,
         settings_from_args,
     )
+    from ringserve.http.cluster_args import cluster_from_args
     from ringserve.vllm_flags import no_effect_lines
 
     engine_args = EngineArgs.from_cli_args(ns)
@@ -68,8 +69,14 @@ def _serve(ns: argparse.Namespace) -> int:
     apply_server_log_level(ns.uvicorn_log_level)
     engine_config = engine_args.create_engine_config()
     settings = settings_from_args(ns, engine_config)
+    cluster = cluster_from_args(ns)
     try:
-        server.serve(engine_config, settings)
+        if cluster.scaled_out(engine_config):
+            from ringserve.http.scaleout import serve_scaled_out
+
+            serve_scaled_out(engine_config, settings, cluster)
+        else:
+            server.serve(engine_config, settings)
     except EngineDeadError as exc:
         print(f"ringserve: error: the engine died: {exc}", file=sys.stderr)
         return 1
@@ -127,6 +134,7 @@ def _build_parsers(context: str = "") -> tuple[argparse.ArgumentParser,
     from ringserve.engine.arg_utils import EngineArgs
     from ringserve.gpu.testing import PRESETS
     from ringserve.http.cli_args import add_serve_args
+    from ringserve.http.cluster_args import add_cluster_args
     from ringserve.vllm_flags import add_vllm_flags
 
     parser = _Parser(
@@ -142,6 +150,7 @@ def _build_parsers(context: str = "") -> tuple[argparse.ArgumentParser,
                            "Takes vllm serve's flags (see README, drop-in flags).")
     EngineArgs.add_cli_args(serve, positional_model=True)
     add_serve_args(serve)
+    add_cluster_args(serve)
     add_vllm_flags(serve)
     serve.set_defaults(handler=_serve)
 

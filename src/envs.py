@@ -11,9 +11,13 @@ vLLM name, VLLM_API_KEY, is honoured so vLLM deployments keep working).
 | RINGSERVE_CORE_RESTART_WINDOW_S | 600 | the window of that limit, in seconds |
 | RINGSERVE_OUTPUT_PROC_CHUNK_SIZE | 128 | outputs the async output handler processes between yields |
 | RINGSERVE_EXECUTOR_RING_BYTES | 16777216 | data bytes of each mp-executor ring (a power of two) |
+| RINGSERVE_RAY_PLACEMENT_STRATEGY | PACK | the ray executor's placement of TP workers: PACK, SPREAD, STRICT_PACK, STRICT_SPREAD |
 | RINGSERVE_RAY_TMPDIR | (a fresh temp dir) | Ray's temp dir when the ray executor starts Ray itself |
 | RINGSERVE_API_KEY | (unset: open) | `ringserve serve`'s API key when `--api-key` is not given |
 | VLLM_API_KEY | (unset) | the same, as vLLM names it; RINGSERVE_API_KEY wins when both are set |
+| RINGSERVE_CLUSTER_SECRET | (unset) | the shared secret that authenticates links between hosts |
+| RINGSERVE_CLUSTER_SECRET_FILE | (unset) | a file holding it (`--cluster-secret-file` sets this for child processes) |
+| RINGSERVE_NULL_STEP_MS | (unset) | benchmarks only: `ringserve serve` runs a null model taking this long per step |
 """
 
 from __future__ import annotations
@@ -128,3 +132,33 @@ def api_key() -> str | None:
     Both unset or empty: the server is open (as vLLM with no `--api-key`).
     """
     return os.environ.get("RINGSERVE_API_KEY") or os.environ.get("VLLM_API_KEY") or None
+
+
+def cluster_secret() -> bytes | None:
+    """RINGSERVE_CLUSTER_SECRET: the shared secret of a multi-host deployment, surrounding
+    whitespace stripped (None: unset; set but empty is b"", which the checks refuse)."""
+    raw = os.environ.get("RINGSERVE_CLUSTER_SECRET")
+    return None if raw is None else os.fsencode(raw).strip()
+
+
+def ray_placement_strategy() -> str:
+    """RINGSERVE_RAY_PLACEMENT_STRATEGY, raw ("" when unset; `ray_placement` checks it)."""
+    return os.environ.get("RINGSERVE_RAY_PLACEMENT_STRATEGY", "")
+
+
+def cluster_secret_file() -> str | None:
+    """RINGSERVE_CLUSTER_SECRET_FILE: a file holding the shared secret (None: unset).
+
+    `--cluster-secret-file` sets it for the processes `ringserve serve` starts.
+    """
+    return os.environ.get("RINGSERVE_CLUSTER_SECRET_FILE") or None
+
+
+def null_step_ms() -> float | None:
+    """RINGSERVE_NULL_STEP_MS: benchmarks only. Set, `ringserve serve`'s engine cores run the
+    null model (no weights; made-up tokens) and each step takes this many milliseconds, so a
+    frontend-bound workload can be measured (`scripts/bench_scaleout.py`)."""
+    raw = os.environ.get("RINGSERVE_NULL_STEP_MS")
+    if raw is None or raw == "":
+        return None
+    return _number("RINGSERVE_NULL_STEP_MS", 0.0, minimum=0.0)

@@ -86,8 +86,6 @@ NO_EFFECT: tuple[NoEffect, ...] = (
              "as in vLLM since 0.9"),
     NoEffect(("--disable-custom-all-reduce",), "tensor-parallel all-reduce is "
              "torch.distributed's; there is no custom kernel to turn off"),
-    NoEffect(("--api-server-count", "-asc"), "one HTTP server process serves every request",
-             takes_value=True),
     NoEffect(("--disable-frontend-multiprocessing",), "the HTTP frontend and the engine "
              "core always run as they do; outputs are the same either way"),
     NoEffect(("--disable-fastapi-docs",), "ringserve serves no OpenAPI docs"),

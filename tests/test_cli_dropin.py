@@ -109,9 +109,9 @@ def test_vllm_short_flags_and_spellings() -> None:
     assert args.max_model_len == 8000 and args.kv_cache_memory == 2 << 30
     assert args.served_model_names() == ("a", "b")
     assert args.enable_log_requests is False
+    assert ns.api_server_count == 2  # -asc is served now (issue 19)
     assert [line.split(" has ")[0] for line in no_effect_lines(ns)] == [
-        "ringserve: --compilation-config", "ringserve: --max-log-len",
-        "ringserve: --api-server-count"]
+        "ringserve: --compilation-config", "ringserve: --max-log-len"]
 
 
 def test_quantization_flag_takes_int8_and_int4() -> None:

@@ -78,7 +78,7 @@ class AsyncMPClient:
         # A lockstep deployment (experts over several cores) meets in a store served here,
         # by the process that outlives its cores (`ringserve.engine.dp_wave`).
         self._store: Any = None
-        if config.parallel_config.lockstep:
+        if config.parallel_config.lockstep and self.hosts_lockstep:
             from ringserve.engine import dp_wave  # torch, only for this deployment
 
             self._store, config = dp_wave.serve_lockstep(config)
@@ -87,7 +87,6 @@ class AsyncMPClient:
         # Built first: a bad budget setting fails the start before any socket exists.
         self._restart_budgets = [RestartBudget() for _ in range(self.num_engines)]
         self.ctx = zmq.Context(io_threads=1)
-        self._dir = make_ipc_dir()
         self.input_sock = self.ctx.socket(zmq.ROUTER)
         self.input_sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
         # A restarted core connects with its predecessor's routing id: it takes the id over.
@@ -95,10 +94,8 @@ class AsyncMPClient:
         self.input_sock.setsockopt(zmq.LINGER, 0)
         self.output_sock = self.ctx.socket(zmq.PULL)
         self.output_sock.setsockopt(zmq.LINGER, 0)
-        self.input_addr = f"ipc://{self._dir}/input"
-        self.output_addr = f"ipc://{self._dir}/output"
-        self.input_sock.bind(self.input_addr)
-        self.output_sock.bind(self.output_addr)
+        self._dir: str | None = None
+        self.input_addr, self.output_addr = self._bind_sockets()
         self._executor = executor
         self._sender = CoreSender(self.input_sock, self.num_engines, self._send_error)
         self._decoder = MsgpackDecoder(EngineCoreOutputs)
@@ -116,6 +113,17 @@ class AsyncMPClient:
         self.num_blocks = 0
         self.max_model_len = config.model_config.max_model_len
 
+    # This client starts its cores, so it serves their lockstep store (`dp_wave`).
+    hosts_lockstep = True
+
+    def _bind_sockets(self) -> tuple[str, str]:
+        """Bind the request ROUTER and the output PULL; returns their addresses."""
+        self._dir = make_ipc_dir()
+        addrs = f"ipc://{self._dir}/input", f"ipc://{self._dir}/output"
+        self.input_sock.bind(addrs[0])
+        self.output_sock.bind(addrs[1])
+        return addrs
+
     @classmethod
     async def create(cls, config: EngineConfig, executor: str = "default") -> AsyncMPClient:
         """Start the core processes and wait (off the event loop) for their handshakes.
@@ -124,12 +132,16 @@ class AsyncMPClient:
             EngineStartupError: a core failed to start; the message is its reason.
         """
         client = cls(config, executor)
-        try:
-            await trio.to_thread.run_sync(client._start_cores)
-        except BaseException:
-            client.shutdown()
-            raise
+        await client._start_off_loop()
         return client
+
+    async def _start_off_loop(self) -> None:
+        """`_start_cores` in a thread; a failure shuts the client down before it raises."""
+        try:
+            await trio.to_thread.run_sync(self._start_cores)
+        except BaseException:
+            self.shutdown()
+            raise
 
     def _start_cores(self) -> None:
         for index in range(self.num_engines):
@@ -331,12 +343,18 @@ class AsyncMPClient:
             return False
         waiter = self._handshakes.get(reply.engine_index)
         if waiter is None:
-            logger.warning("dropped an unexpected handshake from engine core %d",
-                           reply.engine_index)
+            self._unexpected_handshake(reply)
         else:
             waiter[1].append(reply)
             waiter[0].set()
         return True
+
+    def _close_more(self) -> None:
+        """Close whatever else lives in the context before it is terminated."""
+
+    def _unexpected_handshake(self, reply: HandshakeReply) -> None:
+        logger.warning("dropped an unexpected handshake from engine core %d",
+                       reply.engine_index)
 
     def _dispatch_utility(self, outputs: EngineCoreOutputs) -> None:
         utility = outputs.utility_output
@@ -498,8 +516,10 @@ class AsyncMPClient:
             proc.terminate()
         self.input_sock.close(linger=0)
         self.output_sock.close(linger=0)
+        self._close_more()
         self.ctx.term()
-        shutil.rmtree(self._dir, ignore_errors=True)
+        if self._dir is not None:
+            shutil.rmtree(self._dir, ignore_errors=True)
         self._store = None  # stops serving
 
 

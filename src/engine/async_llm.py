@@ -34,6 +34,7 @@ from ringserve import envs
 from ringserve.config import EngineConfig
 from ringserve.engine.arg_utils import EngineArgs
 from ringserve.engine.async_client import AsyncMPClient
+from ringserve.engine.attached_client import AttachedMPClient, Attachment
 from ringserve.engine.collector import RequestOutputCollector
 from ringserve.engine.dp_client import DPLBAsyncMPClient
 from ringserve.engine.errors import (
@@ -69,16 +70,23 @@ class AsyncLLM(AsyncRLMethods):
         config: the engine configuration.
         executor: "default", or "null" / "null-mp" (no model; benchmarks and tests).
         stat_loggers: extra per-engine stat logger factories (besides the entry points).
+        attach: be frontend `attach.client_index` of a scaled-out deployment, over cores
+            that its supervisor started (`ringserve.engine.cluster`), instead of starting
+            the cores.
     """
 
     def __init__(self, config: EngineConfig, executor: str = "default",
-                 stat_loggers: list[StatLoggerFactory] | None = None) -> None:
+                 stat_loggers: list[StatLoggerFactory] | None = None,
+                 attach: Attachment | None = None) -> None:
         self.config = config
+        self.attach = attach
         self.tokenizer = load_tokenizer(config)
         self.input_processor = InputProcessor(
             config.model_config, self.tokenizer,
             config.structured_outputs_config.resolved_backend)
         self.output_processor = OutputProcessor(self.tokenizer)
+        if attach is not None:
+            self.output_processor.id_prefix = f"f{attach.client_index}."
         self.max_num_queued_reqs = config.frontend_config.max_num_queued_reqs
         self.max_num_queued_tokens = config.frontend_config.max_num_queued_tokens
         self._executor = executor
@@ -105,9 +113,15 @@ class AsyncLLM(AsyncRLMethods):
         Returns when `shutdown()` is called; raises EngineDeadError if a core dies (after
         failing every pending request with it).
         """
-        client_cls = (DPLBAsyncMPClient if self.config.parallel_config.data_parallel_size > 1
-                      else AsyncMPClient)
-        self.client = await client_cls.create(self.config, self._executor)
+        if self.attach is not None:
+            attach = self.attach
+            self.client = await AttachedMPClient.attach(self.config, attach.topology,
+                                                        attach.client_index, attach.auth)
+        else:
+            client_cls = (DPLBAsyncMPClient
+                          if self.config.parallel_config.data_parallel_size > 1
+                          else AsyncMPClient)
+            self.client = await client_cls.create(self.config, self._executor)
         obs = self.config.observability_config
         if not obs.disable_log_stats:
             self.stat_loggers = StatLoggerManager(

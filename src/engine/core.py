@@ -213,6 +213,13 @@ class EngineCore(WeightSyncMixin):
         if request_ids:
             self.scheduler.finish_requests(request_ids, FinishReason.ABORT)
 
+    def abort_client(self, client_index: int) -> None:
+        """Abort every request of frontend `client_index` (its process died)."""
+        ids = [rid for rid, req in self.scheduler.requests.items()
+               if req.client_index == client_index]
+        ids.extend(r.request_id for r in self._held if r.client_index == client_index)
+        self.abort_requests(ids)
+
     def has_work(self) -> bool:
         """True while there is something to schedule, in flight, or to report."""
         # Finished ids for the workers count only while scheduling is allowed (they go out

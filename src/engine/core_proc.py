@@ -32,7 +32,6 @@ import queue
 import signal
 import sys
 import threading
-import time
 import traceback
 from collections.abc import Callable
 from typing import Any
@@ -40,8 +39,11 @@ from typing import Any
 import msgspec
 import zmq
 
+from ringserve import envs
 from ringserve.config import EngineConfig
+from ringserve.engine.cluster_wire import ClusterTopology
 from ringserve.engine.core import EngineCore
+from ringserve.engine.core_links import BROADCAST, ClientLinks
 from ringserve.engine.dp_wave import PeerFault, WaveSync, lockstep_timeout
 from ringserve.engine.sentinel import FaultInstruction, FaultSentinel, describe
 from ringserve.engine.wire import (
@@ -60,7 +62,6 @@ from ringserve.engine.wire import (
 from ringserve.gpu.executor.base import Executor
 from ringserve.gpu.executor.errors import ExecutorError
 from ringserve.lifeline import install_lifeline
-from ringserve.serial import MsgpackDecoder, MsgpackEncoder
 
 logger = logging.getLogger(__name__)
 
@@ -97,6 +98,14 @@ class _PeerFaulted:
 
     def __init__(self, epoch: int, reason: str) -> None:
         self.epoch, self.reason = epoch, reason
+
+
+class _ClientGone:
+    """Put in the input queue by the input thread: frontend `client`'s link dropped (it
+    died); its requests are aborted."""
+
+    def __init__(self, client: int) -> None:
+        self.client = client
 
 
 class _Shutdown(BaseException):
@@ -154,25 +163,40 @@ class EngineCoreProc:
             the main thread with SIGUSR1, which raises `OutputThreadDied` there).
     """
 
-    def __init__(self, config: EngineConfig, engine_index: int, input_addr: str,
-                 output_addr: str, executor_class: type[Executor] | None = None,
-                 on_output_failure: Callable[[], None] | None = None) -> None:
+    def __init__(self, config: EngineConfig, engine_index: int, input_addr: str | list[str],
+                 output_addr: str | list[str], executor_class: type[Executor] | None = None,
+                 on_output_failure: Callable[[], None] | None = None, *,
+                 topology: ClusterTopology | None = None,
+                 secure: Callable[[zmq.Socket[Any]], None] | None = None) -> None:
         if config.parallel_config.lockstep:  # the workers' EP ranks follow from it
             config = dataclasses.replace(config, parallel_config=dataclasses.replace(
                 config.parallel_config, data_parallel_rank=engine_index))
         self.config = config
         self.engine_index = engine_index
         self.ctx = zmq.Context(io_threads=1)
+        inputs = [input_addr] if isinstance(input_addr, str) else list(input_addr)
+        outputs = [output_addr] if isinstance(output_addr, str) else list(output_addr)
+        if len(inputs) != len(outputs):
+            raise ValueError("one output address per input address (one pair per frontend)")
+        remote = topology is not None and engine_index in topology.remote_engines
+        self.links = ClientLinks(
+            self.ctx, engine_index, list(zip(inputs, outputs, strict=True)),
+            watch=topology is not None,
+            heartbeat_s=topology.heartbeat_s if topology is not None and remote else None,
+            coordinator_addr=(topology.coordinator_input or None) if topology else None,
+            secure=secure)
         self.input_queue: queue.Queue[
-            CoreInput | _ExecutorFailed | _Wake | _WaveStarted | _PeerFaulted] = queue.Queue()
+            CoreInput | _ExecutorFailed | _Wake | _WaveStarted | _PeerFaulted | _ClientGone,
+        ] = queue.Queue()
         self.waves: WaveSync | None = None
         # Unbounded on purpose: the busy loop must never block on output; the output thread
         # sends as fast as the socket allows and zmq's own high-water mark applies behind it.
+        # Items are (client index or core_links.BROADCAST, message), or None to stop.
         self.output_queue: queue.Queue[Any] = queue.Queue()
         self._threads = [
-            threading.Thread(target=self._input_thread, args=(input_addr,), daemon=True,
+            threading.Thread(target=self._input_thread, daemon=True,
                              name="ringserve-core-input"),
-            threading.Thread(target=self._output_thread, args=(output_addr,), daemon=True,
+            threading.Thread(target=self._output_thread, daemon=True,
                              name="ringserve-core-output"),
         ]
         for thread in self._threads:
@@ -183,56 +207,60 @@ class EngineCoreProc:
         self.output_error: BaseException | None = None
         self._on_output_failure = on_output_failure or _interrupt_main
 
+    def send(self, client: int, message: Any) -> None:
+        """Queue `message` for frontend `client` (the output thread sends it)."""
+        self.output_queue.put((client, message))
+
+    def broadcast(self, message: Any) -> None:
+        """Queue `message` for every frontend (handshakes, fault status, the dead notice)."""
+        self.output_queue.put((BROADCAST, message))
+
+    def send_outputs(self, outputs: dict[int, EngineCoreOutputs]) -> None:
+        """Queue a step's outputs, each batch for the frontend whose requests it holds."""
+        put = self.output_queue.put
+        for client, client_outputs in outputs.items():
+            put((client, client_outputs))
+
     # -- socket threads ------------------------------------------------------------------------
 
-    def _input_thread(self, addr: str) -> None:
-        sock = self.ctx.socket(zmq.DEALER)
-        sock.setsockopt(zmq.ROUTING_ID, f"core{self.engine_index}".encode())
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.connect(addr)
-        decoder: MsgpackDecoder[CoreInput] = MsgpackDecoder(CoreInput)  # type: ignore[arg-type]
-        try:
-            while True:
-                frames = sock.recv_multipart(copy=False)
-                try:
-                    message = decoder.decode([f.buffer for f in frames])
-                except (msgspec.MsgspecError, ValueError, TypeError) as exc:
-                    # A frame that is not a CoreInput is the sender's bug, not a core fault.
-                    # One that names a request ends that request: its sender waits for it.
-                    failed = undecodable_request(frames[0].buffer if frames else b"", exc)
-                    logger.warning("engine core %d: dropped a malformed input frame%s: %s",
-                                   self.engine_index,
-                                   f" (request {failed.request_id!r} failed)" if failed else "",
-                                   exc)
-                    if failed is not None:
-                        self.output_queue.put(EngineCoreOutputs(
-                            engine_index=self.engine_index, outputs=[failed],
-                            finished_requests=[failed.request_id]))
-                    continue
-                self.input_queue.put(message)
-        except zmq.ContextTerminated:
-            pass
-        finally:
-            sock.close(linger=0)
+    def _input_thread(self) -> None:
+        put = self.input_queue.put
 
-    def _output_thread(self, addr: str) -> None:
-        sock = self.ctx.socket(zmq.PUSH)
-        sock.setsockopt(zmq.LINGER, 2000)
-        sock.connect(addr)
-        encoder = MsgpackEncoder()
-        clock = time.perf_counter
+        def on_message(client: int, message: CoreInput) -> None:
+            if isinstance(message, AddRequest):
+                if message.request.client_index != client:
+                    message = AddRequest(msgspec.structs.replace(message.request,
+                                                                 client_index=client))
+            elif isinstance(message, UtilityCall) and message.client_index != client:
+                message = msgspec.structs.replace(message, client_index=client)
+            put(message)
+
+        def on_client(client: int, connected: bool) -> None:
+            if not connected:
+                put(_ClientGone(client))
+
+        self.links.serve_inputs(on_message, self._malformed, on_client, self.output_queue)
+
+    def _malformed(self, client: int, frames: list[Any], exc: Exception) -> None:
+        # A frame that is not a CoreInput is the sender's bug, not a core fault.
+        # One that names a request ends that request: its sender waits for it.
+        failed = undecodable_request(frames[0].buffer if frames else b"", exc)
+        logger.warning("engine core %d: dropped a malformed input frame%s: %s",
+                       self.engine_index,
+                       f" (request {failed.request_id!r} failed)" if failed else "", exc)
+        if failed is not None:
+            self.send(client, EngineCoreOutputs(engine_index=self.engine_index,
+                                                outputs=[failed],
+                                                finished_requests=[failed.request_id]))
+
+    def _output_thread(self) -> None:
+        def on_sent(seconds: float) -> None:
+            if self.core is not None:
+                timings = self.core.timings
+                timings["output"] = timings.get("output", 0.0) + seconds
+
         try:
-            while True:
-                item = self.output_queue.get()
-                if item is None:
-                    break
-                start = clock()
-                sock.send_multipart(encoder.encode(item), copy=False)
-                if self.core is not None:
-                    timings = self.core.timings
-                    timings["output"] = timings.get("output", 0.0) + clock() - start
-        except zmq.ContextTerminated:
-            pass
+            self.links.serve_outputs(self.output_queue, on_sent)
         except BaseException as exc:
             # Without this thread the core would live on and never answer again: an engine
             # fault. The main thread is interrupted and the process exits 1; the frontend's
@@ -241,8 +269,6 @@ class EngineCoreProc:
             logger.error("engine core %d: the output thread failed; exiting\n%s",
                          self.engine_index, "".join(traceback.format_exception(exc)))
             self._on_output_failure()
-        finally:
-            sock.close(linger=0 if self.output_error is not None else None)
 
     # -- lifecycle -------------------------------------------------------------------------------
 
@@ -257,14 +283,14 @@ class EngineCoreProc:
             # must not raise at an arbitrary point of the teardown (inside a GC callback it
             # printed "Exception ignored ... _Shutdown" under the one-line error).
             signal.signal(signal.SIGTERM, signal.SIG_IGN)
-            self.output_queue.put(HandshakeReply(ready=False, error=describe(exc),
-                                                 engine_index=self.engine_index))
+            self.broadcast(HandshakeReply(ready=False, error=describe(exc),
+                                          engine_index=self.engine_index, pid=os.getpid()))
             return False
         self.watch_executor()
-        self.output_queue.put(HandshakeReply(
+        self.broadcast(HandshakeReply(
             ready=True, num_blocks=self.core.num_blocks,
             max_model_len=self.config.model_config.max_model_len,
-            engine_index=self.engine_index))
+            engine_index=self.engine_index, pid=os.getpid()))
         return True
 
     def join_lockstep(self) -> None:
@@ -314,8 +340,7 @@ class EngineCoreProc:
             else:
                 outputs, _ = core.step()
             if outputs:
-                for client_outputs in outputs.values():
-                    self.output_queue.put(client_outputs)
+                self.send_outputs(outputs)
 
     def _run_lockstep(self, core: EngineCore, waves: WaveSync) -> None:
         """The busy loop of a lockstep deployment (see `ringserve.engine.dp_wave`): within a
@@ -328,8 +353,7 @@ class EngineCoreProc:
             if not ran:
                 core.dummy_pass()
             if outputs:
-                for client_outputs in outputs.values():
-                    self.output_queue.put(client_outputs)
+                self.send_outputs(outputs)
 
     def _drain_inputs(self, block: bool) -> None:
         if block:
@@ -342,7 +366,7 @@ class EngineCoreProc:
             self._handle(message)
 
     def _handle(self, message: CoreInput | _ExecutorFailed | _Wake | _WaveStarted
-                | _PeerFaulted) -> None:
+                | _PeerFaulted | _ClientGone) -> None:
         core = self.core
         assert core is not None  # run_busy_loop checked it
         if message is _WAKE:
@@ -354,6 +378,9 @@ class EngineCoreProc:
         if isinstance(message, _PeerFaulted):
             if self.waves is not None and message.epoch == self.waves.epoch:
                 raise PeerFault(f"the expert-parallel group failed: {message.reason}")
+            return
+        if isinstance(message, _ClientGone):
+            core.abort_client(message.client)
             return
         if isinstance(message, _ExecutorFailed):
             if message.executor is core.executor:
@@ -380,8 +407,8 @@ class EngineCoreProc:
             reply = UtilityOutput(call.call_id, failure_message=describe(exc))
             if isinstance(exc, ExecutorError):
                 fault = exc
-        self.output_queue.put(EngineCoreOutputs(engine_index=self.engine_index,
-                                                utility_output=reply))
+        self.send(call.client_index, EngineCoreOutputs(engine_index=self.engine_index,
+                                                       utility_output=reply))
         if fault is not None:
             raise fault
 
@@ -390,9 +417,8 @@ class EngineCoreProc:
         core = self.core
         if core is not None:
             core.batch_queue.clear()
-            for client_outputs in core.scheduler.abort_all(FinishReason.ERROR).values():
-                self.output_queue.put(client_outputs)
-        self.output_queue.put(EngineCoreOutputs(
+            self.send_outputs(core.scheduler.abort_all(FinishReason.ERROR))
+        self.broadcast(EngineCoreOutputs(
             engine_index=self.engine_index,
             utility_output=UtilityOutput(DEAD_CALL_ID, failure_message=describe(exc))))
 
@@ -413,8 +439,12 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point of the engine-core process (see the module docstring)."""
     parser = argparse.ArgumentParser(prog="ringserve.engine.core_proc")
     parser.add_argument("--engine-index", type=int, required=True)
-    parser.add_argument("--input-addr", required=True)
-    parser.add_argument("--output-addr", required=True)
+    parser.add_argument("--input-addr", action="append", required=True,
+                        help="a frontend's ROUTER (repeated: one per frontend)")
+    parser.add_argument("--output-addr", action="append", required=True,
+                        help="the same frontend's PULL (repeated, in the same order)")
+    parser.add_argument("--topology", default=None,
+                        help="the scaled-out deployment's ClusterTopology, msgpack in hex")
     parser.add_argument("--lifeline-fd", type=int, required=True)
     parser.add_argument("--parent-pid", type=int, required=True)
     parser.add_argument("--executor", choices=("default", "null", "null-mp"), default="default")
@@ -427,7 +457,15 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     config = msgspec.msgpack.decode(sys.stdin.buffer.read(), type=EngineConfig)
     executor_class: type[Executor] | None = None
-    if ns.executor == "null":
+    null_step_ms = envs.null_step_ms()
+    if null_step_ms is not None and ns.executor == "default":
+        import functools
+
+        from ringserve.gpu.executor.null import NullExecutor
+
+        executor_class = functools.partial(  # type: ignore[assignment]
+            NullExecutor, step_s=null_step_ms / 1000)
+    elif ns.executor == "null":
         from ringserve.gpu.executor.null import NullExecutor
 
         executor_class = NullExecutor
@@ -435,7 +473,17 @@ def main(argv: list[str] | None = None) -> int:
         from ringserve.gpu.executor.null import NullMultiprocExecutor
 
         executor_class = NullMultiprocExecutor
-    proc = EngineCoreProc(config, ns.engine_index, ns.input_addr, ns.output_addr, executor_class)
+    topology = (msgspec.msgpack.decode(bytes.fromhex(ns.topology), type=ClusterTopology)
+                if ns.topology else None)
+    secure = None
+    if topology is not None:
+        from ringserve.engine.cluster_auth import ClusterAuth
+
+        auth = ClusterAuth.load(envs.cluster_secret_file())
+        if auth is not None:
+            secure = auth.secure_client
+    proc = EngineCoreProc(config, ns.engine_index, ns.input_addr, ns.output_addr, executor_class,
+                          topology=topology, secure=secure)
     status = 0
     try:
         status = FaultSentinel(proc).run() if proc.start_core() else 1

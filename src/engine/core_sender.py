@@ -43,6 +43,21 @@ def socket_fd(sock: zmq.Socket[Any]) -> int:
     return int(sock.getsockopt(zmq.FD))
 
 
+async def recv_frame(sock: zmq.Socket[Any]) -> bytes:
+    """The next single-frame message of `sock`, parked (never polling) while there is none.
+
+    Raises:
+        zmq.ZMQError: the socket was closed.
+    """
+    while True:
+        try:
+            frame: bytes = sock.recv(flags=zmq.NOBLOCK)
+            return frame
+        except zmq.Again:
+            if not socket_events(sock) & zmq.POLLIN:
+                await trio.lowlevel.wait_readable(socket_fd(sock))
+
+
 @dataclass(eq=False)
 class Queued:
     """A message waiting for room in its core's pipe.

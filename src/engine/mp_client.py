@@ -52,36 +52,33 @@ logger = logging.getLogger(__name__)
 _POLL_MS = 100
 
 
-class CoreProcess:
-    """One engine-core child process and its lifeline.
+class ChildProcess:
+    """A child process of ours, holding a lifeline to this one, watched by its own thread.
 
     Args:
-        config: the engine configuration (sent on the child's stdin).
-        engine_index: the data-parallel rank.
-        input_addr: the ROUTER address the core connects its DEALER to.
-        output_addr: the PULL address the core connects its PUSH to.
-        executor: "default", or "null" / "null-mp" (engine-overhead benchmark: a null model
-            in the core process, or in mp worker processes behind the rings).
+        cmd: the command line; `--lifeline-fd N --parent-pid P` are appended.
+        stdin: bytes written to the child's stdin (then closed).
+        name: for the watcher thread's name.
+        pass_fds: more file descriptors the child inherits.
+        new_group: start it in a process group of its own (a terminal's Ctrl-C then reaches
+            only this process, which decides how its children stop).
     """
 
-    def __init__(self, config: EngineConfig, engine_index: int, input_addr: str,
-                 output_addr: str, executor: str = "default") -> None:
-        self.engine_index = engine_index
+    def __init__(self, cmd: list[str], stdin: bytes, name: str,
+                 pass_fds: tuple[int, ...] = (), new_group: bool = False) -> None:
+        self._group = 0 if new_group else None
         self.lifeline = Lifeline.create()
-        cmd = [
-            sys.executable, "-m", "ringserve.engine.core_proc",
-            "--engine-index", str(engine_index), "--input-addr", input_addr,
-            "--output-addr", output_addr, "--lifeline-fd", str(self.lifeline.child_fd),
-            "--parent-pid", str(os.getpid()), "--executor", executor,
-        ]
+        cmd = [*cmd, "--lifeline-fd", str(self.lifeline.child_fd),
+               "--parent-pid", str(os.getpid())]
+        self._pass_fds = (self.lifeline.child_fd, *pass_fds)
         self.exited = threading.Event()
         started: Future[subprocess.Popen[bytes]] = Future()
         # The child is forked by a thread that lives exactly as long as the child: Linux sends
         # PR_SET_PDEATHSIG when the *forking thread* exits, so forking from a short-lived
-        # thread (trio's to_thread cache retires idle threads after ~10 s) would kill the core.
+        # thread (trio's to_thread cache retires idle threads after ~10 s) would kill it.
         self._watcher = threading.Thread(
-            target=self._spawn_and_watch, args=(cmd, msgspec.msgpack.encode(config), started),
-            daemon=True, name=f"ringserve-core{engine_index}-watch")
+            target=self._spawn_and_watch, args=(cmd, stdin, started),
+            daemon=True, name=f"ringserve-{name}-watch")
         self._watcher.start()
         self.proc = started.result()
         self.lifeline.child_started()
@@ -89,8 +86,8 @@ class CoreProcess:
     def _spawn_and_watch(self, cmd: list[str], config: bytes,
                          started: Future[subprocess.Popen[bytes]]) -> None:
         try:
-            proc = subprocess.Popen(cmd, stdin=subprocess.PIPE,
-                                    pass_fds=(self.lifeline.child_fd,))
+            proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, pass_fds=self._pass_fds,
+                                    process_group=self._group)
         except BaseException as exc:
             started.set_exception(exc)
             self.exited.set()
@@ -141,6 +138,38 @@ class CoreProcess:
                 self.proc.kill()
                 self.proc.wait()
         self.lifeline.cut()
+
+
+class CoreProcess(ChildProcess):
+    """One engine-core child process and its lifeline.
+
+    Args:
+        config: the engine configuration (sent on the child's stdin).
+        engine_index: the data-parallel rank.
+        input_addr: the ROUTER address the core connects its DEALER to (a list: one per
+            frontend of a scaled-out deployment).
+        output_addr: the PULL address the core connects its PUSH to (a list: the same
+            frontends, in the same order).
+        executor: "default", or "null" / "null-mp" (engine-overhead benchmark: a null model
+            in the core process, or in mp worker processes behind the rings).
+        topology: the scaled-out deployment's layout (`cluster_wire.ClusterTopology`).
+    """
+
+    def __init__(self, config: EngineConfig, engine_index: int, input_addr: str | list[str],
+                 output_addr: str | list[str], executor: str = "default",
+                 topology: Any = None) -> None:
+        self.engine_index = engine_index
+        inputs = [input_addr] if isinstance(input_addr, str) else input_addr
+        outputs = [output_addr] if isinstance(output_addr, str) else output_addr
+        cmd = [sys.executable, "-m", "ringserve.engine.core_proc",
+               "--engine-index", str(engine_index), "--executor", executor]
+        for addr in inputs:
+            cmd += ["--input-addr", addr]
+        for addr in outputs:
+            cmd += ["--output-addr", addr]
+        if topology is not None:
+            cmd += ["--topology", msgspec.msgpack.encode(topology).hex()]
+        super().__init__(cmd, msgspec.msgpack.encode(config), f"core{engine_index}")
 
 
 def wait_for_handshakes(sock: zmq.Socket[Any], processes: list[CoreProcess],

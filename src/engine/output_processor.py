@@ -169,6 +169,9 @@ class OutputProcessor:
         # whatever the user ids are. Deterministic on purpose (runs repeat exactly). Frontends
         # that share a core must also fold in their client index (scale-out).
         self._id_counter = itertools.count()
+        # Set by a frontend of a scaled-out deployment ("f<client index>."): internal ids stay
+        # unique across frontends that share the cores, whatever ids their callers pick.
+        self.id_prefix = ""
         # Prompt tokens of tracked requests that have not produced a token yet.
         self.num_prefill_tokens = 0
 
@@ -188,7 +191,7 @@ class OutputProcessor:
             The request's handle (for `abort_requests`) and the core requests to send.
         """
         external_id = request.request_id
-        handle = f"{external_id}#{next(self._id_counter)}"
+        handle = f"{external_id}#{self.id_prefix}{next(self._id_counter)}"
         params = request.sampling_params
         if params.n == 1:
             core_request = msgspec.structs.replace(request, request_id=handle)

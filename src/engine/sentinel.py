@@ -135,8 +135,7 @@ class FaultSentinel:
         assert core is not None  # run_busy_loop checked it
         fault = describe(error)
         self.proc.announce_fault(error)
-        for outputs in core.fail_all_requests(f"engine fault: {fault}").values():
-            self.proc.output_queue.put(outputs)
+        self.proc.send_outputs(core.fail_all_requests(f"engine fault: {fault}"))
         self._publish(EngineStatus.UNHEALTHY, fault)
         timeout = self.config.engine_recovery_timeout_sec
         deadline = time.monotonic() + timeout
@@ -205,8 +204,7 @@ class FaultSentinel:
         core = self.proc.core
         assert core is not None
         self.last_ft_request_id = ft_request_id
-        for outputs in core.fail_all_requests(_ABORTED_MESSAGE).values():
-            self.proc.output_queue.put(outputs)
+        self.proc.send_outputs(core.fail_all_requests(_ABORTED_MESSAGE))
         # The answer first: the frontend takes DEAD as the end of the engine.
         self._reply(call, result=str(EngineStatus.DEAD))
         self._publish(EngineStatus.DEAD, _ABORTED_MESSAGE)
@@ -237,7 +235,7 @@ class FaultSentinel:
         request = message.request
         output = EngineCoreOutput(request.request_id, [], finish_reason=FinishReason.ERROR,
                                   stop_reason=RECOVERING_MESSAGE)
-        self.proc.output_queue.put(EngineCoreOutputs(
+        self.proc.send(request.client_index, EngineCoreOutputs(
             engine_index=self.proc.engine_index, outputs=[output],
             finished_requests=[request.request_id]))
 
@@ -245,13 +243,13 @@ class FaultSentinel:
 
     def _publish(self, status: EngineStatus, fault_info: str | None = None,
                  ft_error: str | None = None) -> None:
-        self.proc.output_queue.put(EngineCoreOutputs(
+        self.proc.broadcast(EngineCoreOutputs(
             engine_index=self.proc.engine_index, timestamp=time.monotonic(),
             fault_status=FaultStatus(status, fault_info, self.last_ft_request_id, ft_error)))
 
     def _reply(self, call: UtilityCall, *, result: Any = None,
                failure: str | None = None) -> None:
-        self.proc.output_queue.put(EngineCoreOutputs(
+        self.proc.send(call.client_index, EngineCoreOutputs(
             engine_index=self.proc.engine_index,
             utility_output=UtilityOutput(call.call_id, failure_message=failure, result=result)))
 

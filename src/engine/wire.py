@@ -220,6 +220,7 @@ class HandshakeReply(msgspec.Struct, tag="handshake", array_like=True):
     max_model_len: int = 0
     error: str = ""
     engine_index: int = 0
+    pid: int = 0
 
 
 class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):

@@ -122,6 +122,10 @@ def check_serve_args(ns: argparse.Namespace) -> None:
         raise ValueError("--enable-auto-tool-choice needs --tool-call-parser (allowed: "
                          f"{', '.join(sorted(TOOL_PARSERS))})")
     root_path(ns.root_path)
+    if hasattr(ns, "api_server_count"):  # the scale-out flags are there (`ringserve serve`)
+        from ringserve.http.cluster_args import check_cluster_args
+
+        check_cluster_args(ns)
     if not _METRICS_PREFIX.fullmatch(ns.metrics_prefix):
         raise ValueError(f"--metrics-prefix: got {ns.metrics_prefix!r}, allowed: a Prometheus "
                          "name (letters, digits, _; not starting with a digit), e.g. vllm")

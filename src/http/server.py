@@ -30,6 +30,7 @@ from starlette.types import ASGIApp
 
 from ringserve.config import EngineConfig
 from ringserve.engine.async_llm import AsyncLLM
+from ringserve.engine.attached_client import Attachment
 from ringserve.engine.errors import EngineDeadError, EngineStartupError
 from ringserve.engine.ipc_dir import cleanup_stale_ipc_dirs
 from ringserve.errors import RingserveError
@@ -51,13 +52,19 @@ _REPORTABLE: tuple[type[BaseException], ...] = (
 
 
 def serve(engine_config: EngineConfig, settings: ServeSettings,
-          app_factory: AppFactory | None = None) -> None:
+          app_factory: AppFactory | None = None, *, sock: socket.socket | None = None,
+          attach: Attachment | None = None) -> None:
     """Serve until SIGINT/SIGTERM (returns) or a failure (raises).
 
     Args:
         engine_config: the engine's configuration.
         settings: the HTTP server's settings.
         app_factory: builds the ASGI app (default: `ringserve.http.app.build_app`).
+        sock: a listening socket shared with the other frontends of a scaled-out deployment
+            (default: bind `settings.host:settings.port`).
+        attach: serve as a frontend of a scaled-out deployment (`ringserve.http.scaleout`),
+            over cores its supervisor started; this frontend accepts connections only once
+            every core has greeted it, so its siblings serve meanwhile.
 
     Raises:
         OSError: the address cannot be bound (in use, not local), or TLS files cannot be read.
@@ -67,16 +74,18 @@ def serve(engine_config: EngineConfig, settings: ServeSettings,
     """
     configure_logging()
     factory = app_factory or build_app
-    sock = open_listener(settings.host, settings.port)
+    if sock is None:
+        sock = open_listener(settings.host, settings.port)
     try:
         config = hypercorn_config(settings, sock)
     except BaseException:
         sock.close()
         raise
-    engine = AsyncLLM(engine_config)
-    _clean_stale()
+    engine = AsyncLLM(engine_config, attach=attach)
+    if attach is None:
+        _clean_stale()  # a scaled-out deployment's supervisor did it
     try:
-        trio.run(_serve_async, engine, settings, factory, config)
+        trio.run(_serve_async, engine, settings, factory, config, attach is not None)
     except BaseExceptionGroup as group:
         reported = pick_error(group)
         if reported is group:
@@ -102,10 +111,10 @@ def _clean_stale() -> None:
 
 
 async def _serve_async(engine: AsyncLLM, settings: ServeSettings, factory: AppFactory,
-                       config: Any) -> None:
+                       config: Any, engine_first: bool) -> None:
     state = ServerState()
     app = factory(engine, settings, state)
-    await Supervisor(engine, settings, state).run(app, config)
+    await Supervisor(engine, settings, state, engine_first=engine_first).run(app, config)
 
 
 def open_listener(host: str, port: int) -> socket.socket:

@@ -58,10 +58,14 @@ class Supervisor:
         engine: the engine (not started yet: `run` starts it).
         settings: the server's settings (shutdown timeout, address for the log line).
         state: the state shared with the app (readiness, draining, in-flight count).
+        engine_first: start the engine before hypercorn accepts (a frontend of a scaled-out
+            deployment: its siblings take the connections until it is ready).
     """
 
-    def __init__(self, engine: AsyncLLM, settings: ServeSettings, state: ServerState) -> None:
+    def __init__(self, engine: AsyncLLM, settings: ServeSettings, state: ServerState, *,
+                 engine_first: bool = False) -> None:
         self.engine = engine
+        self.engine_first = engine_first
         self.settings = settings
         self.state = state
         self.stop_signal: int | None = None
@@ -89,8 +93,11 @@ class Supervisor:
             signal_scope: trio.CancelScope = await nursery.start(self._watch_signals)
             serve = partial(hypercorn.trio.serve, app, config,
                             shutdown_trigger=self._http_stop.wait)
+            if self.engine_first:
+                await nursery.start(self._run_engine)
             binds: list[str] = await nursery.start(serve)
-            await nursery.start(self._run_engine)
+            if not self.engine_first:
+                await nursery.start(self._run_engine)
             self.state.ready = True
             logger.info("serving %s at %s (ready in %.1f s)", self.settings.served_model_name,
                         ", ".join(binds), time.monotonic() - started)

@@ -20,6 +20,20 @@ SHORT = SamplingParams(max_tokens=2, ignore_eos=True)
 NUM_LONG, NUM_SHORT = 4, 12
 
 
+def record_choices(client: Any) -> list[int]:
+    """The engines `client.choose_engine` picks from now on, in order."""
+    chosen: list[int] = []
+    original = client.choose_engine
+
+    def spy(request: Any) -> int:
+        engine: int = original(request)
+        chosen.append(engine)
+        return engine
+
+    client.choose_engine = spy
+    return chosen
+
+
 @pytest.fixture(scope="module")
 def long_model_dir() -> Path:
     from ringserve.gpu.testing import tiny_model
@@ -37,15 +51,7 @@ async def test_least_loaded_routing_beats_round_robin_with_stats_off(
         client = llm.client
         assert client is not None
         assert llm.stat_loggers is None  # stats off: nothing in the frontend is fed them
-        chosen: list[int] = []
-        original = client.choose_engine
-
-        def spy(request: Any) -> int:
-            engine = original(request)
-            chosen.append(engine)
-            return engine
-
-        client.choose_engine = spy  # type: ignore[method-assign]
+        chosen = record_choices(client)
 
         async def long(i: int) -> None:
             async for _ in llm.generate({"prompt_token_ids": [5 + i] * 8}, LONG, f"long{i}",

@@ -15,6 +15,7 @@ drops a logger from it; a new logger never collides with an old one.
 
 from __future__ import annotations
 
+import os
 import threading
 from collections.abc import Iterable, Iterator
 from typing import Any
@@ -130,11 +131,23 @@ class _Renamed(Collector):
 
 def prefixed_registry(prefix: str = PREFIX) -> CollectorRegistry:
     """The registry `/metrics` serves: the default one, or a view of it with every
-    `ringserve:` family named `{prefix}:` instead (`--metrics-prefix vllm`)."""
+    `ringserve:` family named `{prefix}:` instead (`--metrics-prefix vllm`).
+
+    In a frontend of a scaled-out deployment (`PROMETHEUS_MULTIPROC_DIR` set by its
+    supervisor before this process started), the source is every frontend's families, read
+    from that directory: counters and histograms summed over frontends, gauges as most
+    recently set (`ringserve.http.scaleout`).
+    """
+    source = REGISTRY
+    if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+        from prometheus_client import multiprocess
+
+        source = CollectorRegistry(auto_describe=False)
+        multiprocess.MultiProcessCollector(source)  # type: ignore[no-untyped-call]
     if prefix == PREFIX:
-        return REGISTRY
+        return source
     view = CollectorRegistry(auto_describe=False)
-    view.register(_Renamed(REGISTRY, prefix))
+    view.register(_Renamed(source, prefix))
     return view
 
 

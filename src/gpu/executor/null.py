@@ -11,6 +11,7 @@ below `first_token_id`, so never an EOS of the tiny models). It runs in process
 
 from __future__ import annotations
 
+import time
 import zlib
 from concurrent.futures import Future
 from typing import Any
@@ -89,15 +90,18 @@ def _allowed_from(bitmask_row: np.ndarray[Any, Any], token: int, vocab_size: int
 
 
 class NullExecutor(Executor):
-    """Answers every step immediately, in process.
+    """Answers every step immediately (or after `step_s`), in process.
 
     Args:
         config: the engine config (`num_gpu_blocks_override` sets the block count).
+        step_s: seconds each step takes (a fixed step time for frontend-bound benchmarks:
+            `RINGSERVE_NULL_STEP_MS`).
     """
 
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, step_s: float = 0.0) -> None:
         super().__init__(config)
         self.model = NullModel(config.model_config.vocab_size)
+        self.step_s = step_s
         self._awaiting_grammar: dict[int, tuple[SchedulerOutput, Future[ModelRunnerOutput]]] = {}
 
     def determine_num_blocks(self) -> int:
@@ -108,6 +112,8 @@ class NullExecutor(Executor):
 
     def _submit_step(self, scheduler_output: SchedulerOutput) -> Future[ModelRunnerOutput]:
         future: Future[ModelRunnerOutput] = Future()
+        if self.step_s:
+            time.sleep(self.step_s)
         if scheduler_output.grammar_req_ids:
             self._awaiting_grammar[scheduler_output.step_id] = (scheduler_output, future)
         else:

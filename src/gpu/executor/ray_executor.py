@@ -2,19 +2,26 @@
 
 Ray places and supervises the workers; it is not the data path. `RayExecutor` binds a ROUTER
 socket (steps, utility calls, shutdown, to each rank) and a PULL socket (every rank's replies)
-on this node's IP, starts `tensor_parallel_size` actors of `ray_worker.RayWorker` (``num_gpus=1``
-each when the device is CUDA, a tenth of a CPU otherwise), hands each its addresses and the
-`EngineConfig` as msgpack bytes, and starts every actor's long-running `run` task. Each actor
-connects back, says hello, builds its `Worker` (TP > 1: torch.distributed at rank 0's node IP
-and a port free there; gloo on CPU, NCCL on CUDA) and serves until the shutdown message. The
-framing and the message kinds are `ray_worker`'s and `wire.py`'s; no pickle crosses zmq, and
-Ray's own call arguments are plain strings, ints, bools and bytes.
+on this node's IP as Ray knows it (`ray.util.get_node_ip_address()`: the address the other
+nodes reach this one by; 127.0.0.1 only for a private Ray), reserves a placement group of one
+bundle per rank (`ray_placement`: a GPU and a tenth of a CPU each on CUDA, the CPU share
+otherwise; ``PACK`` unless ``RINGSERVE_RAY_PLACEMENT_STRATEGY`` says otherwise; no room within
+`ray_placement.PLACEMENT_TIMEOUT_S` is a `TimeoutError` that says what did not fit), starts
+`tensor_parallel_size` actors of `ray_worker.RayWorker`, rank r in bundle r, hands each its
+addresses and the `EngineConfig` as msgpack bytes, and starts every actor's long-running `run`
+task. Each actor connects back, says hello, builds its `Worker` (TP > 1: torch.distributed at
+rank 0's node IP and a port free there; gloo on CPU, NCCL on CUDA) and serves until the
+shutdown message. The framing and the message kinds are `ray_worker`'s and `wire.py`'s; no
+pickle crosses zmq, and Ray's own call arguments are plain strings, ints, bools and bytes.
 
 Books and faults are `pending.Pending`'s, as in the mp executor: steps complete in submission
 order from rank 0's outputs, calls once every rank replied. A monitor thread waits
 (`ray.wait`) on the actors' `run` tasks: an actor's death (`ray.kill`, a crashed process, a
 lost node) fails every pending step and call at once with `WorkerDiedError`, and
-`check_health()` raises from then on.
+`check_health()` raises from then on. A lost node is the death of the actors it ran (Ray reports
+it a few seconds after the node's processes go); a collective that fails in another rank first
+(gloo: "connection closed by peer") waits up to `PEER_DEATH_WAIT_S` for that report, so the
+fault names the rank that died rather than its peer. Shutdown removes the placement group.
 
 Which Ray: with ``RAY_ADDRESS`` set (``auto`` or ``host:port``; not Ray Client's ``ray://``)
 the executor joins that cluster under Ray's usual rules (a token-auth cluster needs
@@ -23,8 +30,10 @@ disconnects on shutdown; if this process already called `ray.init`, it uses that
 leaves it alone; otherwise it starts a private Ray on 127.0.0.1 (`_loopback_only`; dashboard
 off, usage stats off, token auth with a per-process token so nothing is written to ~/.ray)
 whose temp dir is ``RINGSERVE_RAY_TMPDIR`` or a fresh directory it removes afterwards, and
-stops it when the last executor using it shuts down. Every node must have ringserve
-importable by the same Python, and this node's executor ports reachable from the workers'.
+stops it when the last executor using it shuts down, putting back the token-auth settings Ray
+changed in this process (`_RaySession._restore_auth`). Every node must have ringserve
+importable by the same Python, and this node's executor ports reachable from the workers'
+(docs/ray.md says how to run on a cluster).
 
 Supervision is Ray's: actors die with their owner (this process), and a private Ray's
 processes share this process's fate. Known Ray behaviour, not fixed here: after a SIGKILL of
@@ -46,7 +55,7 @@ import tempfile
 import threading
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import msgspec
 import zmq
@@ -55,6 +64,12 @@ from ringserve import envs
 from ringserve.config import EngineConfig
 from ringserve.gpu.executor.errors import ExecutorShutdownError, WorkerDiedError, WorkerError
 from ringserve.gpu.executor.inbound import DECODE_ERRORS, ResponseHandler
+from ringserve.gpu.executor.ray_placement import (
+    ACTOR_NUM_CPUS,
+    WorkerPlacement,
+    placement_strategy,
+    worker_bundle,
+)
 from ringserve.gpu.executor.ray_worker import (
     HELLO,
     RayWorker,
@@ -67,13 +82,16 @@ from ringserve.gpu.executor.wire import FrameKind, StepError
 
 logger = logging.getLogger(__name__)
 
-ACTOR_START_TIMEOUT_S = 120.0  # actors wait this long for resources (a GPU) and a process
+ACTOR_START_TIMEOUT_S = 120.0  # actors in reserved bundles wait this long for a process
 HELLO_TIMEOUT_S = 60.0  # started actors connect back within this
 SHUTDOWN_GRACE_S = 2.0  # after the shutdown message, before ray.kill
-ACTOR_NUM_CPUS = 0.1  # a token share, so every TP rank fits on a small node (threads: ray_worker)
+# A rank's failed step waits this long for a peer's death to show: Ray reports the actors of a
+# lost node some 3 s after its processes went (measured on Ray 2.60).
+PEER_DEATH_WAIT_S = 6.0
 OBJECT_STORE_BYTES = 100 << 20  # a private Ray stores nothing big: only call results
 # Ray's longest socket path is <temp dir>/session_<date>_<time>_<us>_<pid>/sockets/plasma_store.
 _MAX_TEMP_DIR_CHARS = 107 - 64
+_AUTH_ENV = ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN")  # what a private Ray changes in os.environ
 
 
 @contextlib.contextmanager
@@ -110,6 +128,7 @@ class _RaySession:
     _temp_dir: Path | None = None
     _remove_temp_dir = False
     _token = secrets.token_hex(32)
+    _saved_auth: ClassVar[dict[str, str | None]] = {}  # what a private Ray's token auth replaced
 
     @classmethod
     def acquire(cls) -> None:
@@ -133,6 +152,7 @@ class _RaySession:
             cls._owned = False
             ray.shutdown()
             cls._cleanup_temp_dir()
+            cls._restore_auth()
 
     @classmethod
     def _connect(cls, ray: Any) -> None:
@@ -148,6 +168,7 @@ class _RaySession:
             cls._owned = True
             return
         temp_dir = cls._make_temp_dir()
+        cls._saved_auth = {name: os.environ.get(name) for name in _AUTH_ENV}
         if not {"RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH"} & os.environ.keys():
             # Ray turns token auth on for a new local cluster and would write a token to
             # ~/.ray/auth_token: give it one of ours instead (its processes inherit it).
@@ -161,8 +182,28 @@ class _RaySession:
                 )
         except BaseException:
             cls._cleanup_temp_dir()
+            cls._restore_auth()
             raise
         cls._owned = True
+
+    @classmethod
+    def _restore_auth(cls) -> None:
+        """Undo the token auth a private Ray turned on in this process (Ray sets
+        ``RAY_AUTH_MODE=token`` in `os.environ` and in its cached config for a new local
+        cluster): left on, a later session that joins a cluster without token auth would
+        refuse that cluster's calls (its actors are cancelled as soon as they are created)."""
+        if not cls._saved_auth:
+            return
+        from ray._raylet import AuthenticationTokenLoader, Config  # type: ignore[attr-defined]
+
+        for name, value in cls._saved_auth.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+        cls._saved_auth = {}
+        Config.initialize("")  # as Ray's own tests reset it: the config first, then the cache
+        AuthenticationTokenLoader.instance().reset_cache()
 
     @classmethod
     def _make_temp_dir(cls) -> Path:
@@ -199,18 +240,23 @@ class RayExecutor(RemoteWorkersExecutor):
         config: the engine configuration (`tensor_parallel_size` actors are started).
 
     Raises:
+        ValueError: ``RINGSERVE_RAY_PLACEMENT_STRATEGY`` is not a Ray placement strategy.
         WorkerDiedError: an actor died (or could not be created) during start-up.
         WorkerError: a worker raised during start-up (the message is the worker's).
-        TimeoutError: the actors did not start or connect in time (no resources?).
+        TimeoutError: the cluster had no room for the workers, or they did not start or
+            connect in time.
     """
 
     def __init__(self, config: EngineConfig) -> None:
         super().__init__(config)
         self._stopping = False
         self._closed = False
+        self._placement_strategy = placement_strategy()  # before Ray: a typo fails at once
+        self._placement: WorkerPlacement | None = None
         self._actors: list[Any] = []
         self._runs: list[Any] = []
         self.worker_pids: list[int] = []
+        self.worker_node_ids: list[str] = []  # each rank's Ray node (hex), in rank order
         self._threads: list[threading.Thread] = []
         self._ctx = zmq.Context()
         self._sched = self._ctx.socket(zmq.ROUTER)
@@ -243,17 +289,23 @@ class RayExecutor(RemoteWorkersExecutor):
         sched_addr = f"tcp://{host}:{self._sched.bind_to_random_port(f'tcp://{host}')}"
         out_addr = f"tcp://{host}:{self._out.bind_to_random_port(f'tcp://{host}')}"
         cuda = self.config.device_config.device == "cuda"
-        actor_class = ray.remote(RayWorker).options(
-            num_cpus=ACTOR_NUM_CPUS, num_gpus=1 if cuda else 0, max_restarts=0,
+        placement = WorkerPlacement.reserve(
+            self.world_size, worker_bundle(cuda), self._placement_strategy
         )
+        self._placement = placement
+        actor_class = ray.remote(RayWorker)
         config_msgpack = msgspec.msgpack.encode(self.config)
         share_cpu = "OMP_NUM_THREADS" not in os.environ
         self._actors = [
-            actor_class.remote(config_msgpack, rank, sched_addr, out_addr, share_cpu)
+            actor_class.options(
+                num_cpus=ACTOR_NUM_CPUS, num_gpus=1 if cuda else 0, max_restarts=0,
+                scheduling_strategy=placement.scheduling(rank),
+            ).remote(config_msgpack, rank, sched_addr, out_addr, share_cpu)
             for rank in range(self.world_size)
         ]
         infos = self._get_startup([a.node_info.remote() for a in self._actors])
-        self.worker_pids = [int(pid) for _, _, pid in infos]
+        self.worker_pids = [int(info[2]) for info in infos]
+        self.worker_node_ids = [str(info[3]) for info in infos]
         init_method = f"tcp://{infos[0][0]}:{infos[0][1]}" if self.world_size > 1 else ""
         self._runs = [actor.run.remote(init_method) for actor in self._actors]
         self._await_hellos()
@@ -271,7 +323,7 @@ class RayExecutor(RemoteWorkersExecutor):
             late = [rank for rank, ref in enumerate(refs) if ref not in ready]
             raise TimeoutError(
                 f"Ray actors for ranks {late} did not start in {ACTOR_START_TIMEOUT_S:.0f} s "
-                "(does the cluster have the resources: one GPU per rank on CUDA?)"
+                "in their reserved bundles (can the nodes start worker processes?)"
             )
         results = []
         for rank, ref in enumerate(refs):
@@ -333,8 +385,29 @@ class RayExecutor(RemoteWorkersExecutor):
 
     def _step_failed(self, error: StepError) -> None:
         logger.error("worker rank %d failed in step %d:\n%s", error.rank, error.step_id, error.traceback)
+        died = self._dead_peer(error.rank)
+        if died is not None:
+            self._pending.fail(died)
+            return
         message = f"worker rank {error.rank} failed in step {error.step_id}: {error.error}"
         self._pending.fail(WorkerError(error.rank, message, error.traceback))
+
+    def _dead_peer(self, rank: int) -> Exception | None:
+        """Another rank's death, waiting up to `PEER_DEATH_WAIT_S` for Ray to report one.
+
+        A collective failing in one rank is most often the symptom of another rank's death (a
+        killed actor, a lost node); the death is then the fault to report. None when every
+        other rank is still running (or while shutting down).
+        """
+        import ray
+
+        others = [ref for other, ref in enumerate(self._runs) if other != rank]
+        if not others or self._stopping:
+            return None
+        done, _ = ray.wait(others, num_returns=1, timeout=PEER_DEATH_WAIT_S)
+        if not done or self._stopping:
+            return None
+        return self._run_ended_error(self._runs.index(done[0]), done[0])
 
     def _monitor_loop(self) -> None:
         """Wait on every actor's `run` task; one that ends outside shutdown is a fault."""
@@ -390,7 +463,8 @@ class RayExecutor(RemoteWorkersExecutor):
     # ---- shutdown -------------------------------------------------------------------------
 
     def shutdown(self) -> None:
-        """Shutdown message, then `ray.kill` the actors, close the sockets, stop Ray if ours.
+        """Shutdown message, then `ray.kill` the actors, remove their placement group, close
+        the sockets, stop Ray if ours.
 
         Idempotent. Pending steps and calls fail with `ExecutorShutdownError`.
         """
@@ -400,6 +474,8 @@ class RayExecutor(RemoteWorkersExecutor):
         self._stopping = True
         if self._actors:
             self._stop_actors()
+        if self._placement is not None:
+            self._placement.remove()
         for thread in self._threads:
             if thread.name.endswith("monitor"):
                 thread.join(timeout=5.0)

@@ -140,15 +140,16 @@ class RayWorker:
         self.out_addr = out_addr
         self.share_cpu = share_cpu
 
-    def node_info(self) -> tuple[str, int, int]:
-        """This actor's node IP, a free TCP port on it, and its pid.
+    def node_info(self) -> tuple[str, int, int, str]:
+        """This actor's node IP, a free TCP port on it, its pid and its Ray node id (hex).
 
         The executor takes rank 0's IP and port for torch.distributed's rendezvous.
         """
         import ray
 
         host = str(ray.util.get_node_ip_address())  # type: ignore[no-untyped-call]
-        return host, free_port(host), os.getpid()
+        node_id = str(ray.get_runtime_context().get_node_id())
+        return host, free_port(host), os.getpid(), node_id
 
     def run(self, distributed_init_method: str) -> int:
         """Connect, say hello, build the `Worker` and serve until the shutdown message.

@@ -1,0 +1,76 @@
+"""One API-server process of a scaled-out deployment (`--api-server-count N`).
+
+Started by `ringserve.http.scaleout` as `python -m ringserve.http.frontend_proc`, with the
+engine configuration, the serving settings and the `ClusterTopology` as msgpack on stdin and
+the shared listening socket as an inherited descriptor. It titles itself
+`ringserve::APIServer_<i>`, holds a lifeline to the supervisor, and runs what a one-process
+`ringserve serve` runs (`ringserve.http.server.serve`: hypercorn + `AsyncLLM` under one
+nursery), its `AsyncLLM` attached to the deployment's cores as client `i`. SIGTERM drains
+it as it drains a one-process server. Exit status: 0 after a signal, `ENGINE_DEAD` when the
+engine died (the supervisor then stops the deployment), 1 for anything else (it is
+restarted).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import socket
+import sys
+
+import msgspec
+
+from ringserve import envs
+from ringserve.config import EngineConfig
+from ringserve.engine.attached_client import Attachment
+from ringserve.engine.cluster_wire import ClusterTopology
+from ringserve.engine.errors import EngineDeadError
+from ringserve.http.settings import ServeSettings
+from ringserve.lifeline import install_lifeline
+
+ENGINE_DEAD = 3
+
+
+class FrontendInit(msgspec.Struct, array_like=True):
+    """What the supervisor writes on a frontend's stdin."""
+
+    config: EngineConfig
+    settings: ServeSettings
+    topology: ClusterTopology
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of a frontend process (see the module docstring)."""
+    parser = argparse.ArgumentParser(prog="ringserve.http.frontend_proc")
+    parser.add_argument("--client-index", type=int, required=True)
+    parser.add_argument("--listen-fd", type=int, required=True)
+    parser.add_argument("--lifeline-fd", type=int, required=True)
+    parser.add_argument("--parent-pid", type=int, required=True)
+    ns = parser.parse_args(argv)
+    install_lifeline(ns.lifeline_fd, ns.parent_pid, f"ringserve::APIServer_{ns.client_index}")
+    init = msgspec.msgpack.decode(sys.stdin.buffer.read(), type=FrontendInit)
+    from ringserve.engine.cluster_auth import ClusterAuth
+    from ringserve.http import server
+
+    auth = ClusterAuth.load(envs.cluster_secret_file())
+    sock = socket.socket(fileno=ns.listen_fd)
+    sock.set_inheritable(False)
+    attach = Attachment(init.topology, ns.client_index, auth)
+    try:
+        server.serve(init.config, init.settings, sock=sock, attach=attach)
+    except EngineDeadError as exc:
+        print(f"ringserve: API server {ns.client_index}: the engine died: {exc}",
+              file=sys.stderr)
+        return ENGINE_DEAD
+    except KeyboardInterrupt:
+        return 0
+    return 0
+
+
+if __name__ == "__main__":
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the group: the supervisor decides
+    code = main()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
