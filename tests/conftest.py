@@ -56,6 +56,11 @@ LONG = {
     "tests/http/test_http_bench_serve.py::test_bench_serve_against_ringserve":
         "bench serve's unit tests",
     "tests/gpu/test_gpu_executor_ray.py": "the mp executor's tests",
+    "tests/gpu/test_ray_cluster.py": "the mp executor's worker-death tests",
+    "tests/http/test_scaleout_server.py::test_sigterm_drains_every_frontend_then_exits_zero":
+        "test_http_server.py::test_sigterm_drains_then_exits_zero[sigterm] (one frontend)",
+    "tests/http/test_scaleout_server.py::test_sigkill_of_the_supervisor_leaves_no_process":
+        "test_llm.py::test_sigkilled_parent_leaves_no_engine_core (the same lifelines)",
     "tests/gpu/test_gpu_triton.py::test_triton_kernels_match_reference_under_interpreter":
         "nothing on CPU (Triton runs only interpreted here)",
     "tests/gpu/test_gpu_executor_mp.py::test_sigkilled_parent_leaves_no_worker[2]": "its [1] case",

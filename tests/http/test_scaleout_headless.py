@@ -1,0 +1,164 @@
+"""Engines on another "host" (issue 19 items 3, 4 and 7): a head `ringserve serve -dp 2 -dpl 1`
+and a `ringserve serve --headless -dp 2 -dpl 1 --data-parallel-start-rank 2` in separate process
+trees, the head's links on 127.0.0.2, authenticated by RINGSERVE_CLUSTER_SECRET (CURVE).
+
+Requests reach both engines; an unauthenticated peer gets no answer from the head's join
+service; a SIGKILLed headless engine is reported unhealthy per engine in
+/fault_tolerance/status, its streams fail fast while the head's engine keeps serving, and the
+headless host's restarted engine rejoins.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+from collections.abc import Iterator
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import httpx
+import msgspec
+import pytest
+import trio
+import zmq
+from test_http_server import ADMIN_KEY, SERVE, SMALL_FLAGS, LiveServer, _auth, _free_port
+from test_scaleout_server import _body, _metric, _stream_text
+
+from ringserve.engine.cluster_auth import ClusterAuth
+from ringserve.engine.cluster_wire import JoinReply, JoinRequest
+
+pytestmark = pytest.mark.slow
+
+SECRET = "a-test-cluster-secret-of-32-bytes!"
+HOST = "127.0.0.2"
+
+
+def _children(pid: int) -> list[int]:
+    tasks = Path(f"/proc/{pid}/task").glob("*/children")
+    return sorted(int(child) for path in tasks for child in path.read_text().split())
+
+
+def _title(pid: int) -> str:
+    return Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[0].decode()
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[LiveServer, Any, int]]:
+    """(the head, the headless host's process, the head's rpc port)."""
+    from ringserve.gpu.testing import tiny_model
+
+    model = tiny_model("llama")
+    tmp = tmp_path_factory.mktemp("headless")
+    rpc = _free_port()
+    common = ("--data-parallel-size", "2", "--data-parallel-size-local", "1",
+              "--data-parallel-address", HOST, "--data-parallel-rpc-port", str(rpc))
+    env = {**os.environ, "RINGSERVE_CLUSTER_SECRET": SECRET}
+    with (tmp / "headless.log").open("wb") as out:
+        headless = subprocess.Popen(
+            [*SERVE, str(model), *SMALL_FLAGS, *common, "--headless",
+             "--data-parallel-start-rank", "1"],
+            stdout=out, stderr=subprocess.STDOUT, start_new_session=True, env=env)
+    old = os.environ.get("RINGSERVE_CLUSTER_SECRET")
+    os.environ["RINGSERVE_CLUSTER_SECRET"] = SECRET  # LiveServer's child inherits it
+    head = LiveServer(model, tmp / "head.log", (*common, "--api-server-count", "1",
+                                                "--admin-api-key", ADMIN_KEY))
+    head.cmd.remove("--disable-log-stats")
+    try:
+        with head:
+            yield head, headless, rpc
+    finally:
+        if old is None:
+            del os.environ["RINGSERVE_CLUSTER_SECRET"]
+        else:
+            os.environ["RINGSERVE_CLUSTER_SECRET"] = old
+        os.killpg(headless.pid, signal.SIGKILL)
+        headless.wait(10)
+
+
+async def test_requests_reach_the_engine_on_the_other_host(
+        pair: tuple[LiveServer, Any, int]) -> None:
+    head, _, _ = pair
+    async with httpx.AsyncClient(base_url=head.url, timeout=60) as client:
+        async with trio.open_nursery() as nursery:
+            for i in range(12):
+                nursery.start_soon(partial(client.post, "/v1/completions",
+                                           json=_body(f"p{i}", 6, False)))
+        scraped = (await client.get("/metrics")).text
+    per_engine = [_metric(scraped, f'ringserve:request_success_total{{engine="{e}"')
+                  for e in "01"]
+    assert sum(per_engine) == 12 and min(per_engine) > 0, per_engine
+
+
+def test_unauthenticated_peer_gets_no_answer(pair: tuple[LiveServer, Any, int]) -> None:
+    _, _, rpc = pair
+    request = msgspec.msgpack.encode(JoinRequest(1, 1, 2, "x"))
+    ctx: zmq.Context[Any] = zmq.Context()
+    try:
+        plain = ctx.socket(zmq.REQ)
+        plain.setsockopt(zmq.LINGER, 0)
+        plain.connect(f"tcp://{HOST}:{rpc}")
+        plain.send(request)
+        assert not plain.poll(1500)  # the CURVE handshake never completes: no frame decoded
+        plain.close()
+        secured = ctx.socket(zmq.REQ)
+        secured.setsockopt(zmq.LINGER, 0)
+        ClusterAuth.from_secret(SECRET.encode()).secure_client(secured)
+        secured.connect(f"tcp://{HOST}:{rpc}")
+        secured.send(request)
+        assert secured.poll(5000)
+        reply = msgspec.msgpack.decode(secured.recv(), type=JoinReply)
+        assert reply.topology is not None and reply.topology.remote_engines == [1]
+        secured.close()
+    finally:
+        ctx.term()
+
+
+async def test_killed_headless_engine_fails_fast_and_rejoins(
+        pair: tuple[LiveServer, Any, int]) -> None:
+    head, headless, _ = pair
+    (core,) = [pid for pid in _children(headless.pid)
+               if _title(pid) == "ringserve::EngineCore_DP1"]
+    admin = _auth(ADMIN_KEY)
+    outcomes: list[str] = []
+
+    async def one(client: httpx.AsyncClient) -> None:
+        try:
+            _, _, finish = await _stream_text(client, _body("long", 480))
+            outcomes.append(finish)
+        except (httpx.HTTPError, AssertionError):
+            outcomes.append("cut")
+
+    async with httpx.AsyncClient(base_url=head.url, timeout=120) as client:
+        with trio.fail_after(90):
+            async with trio.open_nursery() as nursery:
+                for _ in range(4):
+                    nursery.start_soon(one, client)
+                await trio.sleep(1.0)
+                os.kill(core, signal.SIGKILL)
+                killed = trio.current_time()
+                while True:  # reported per engine
+                    status = (await client.get("/fault_tolerance/status", headers=admin)).json()
+                    states = [e["status"] for e in status["engines"]]
+                    if states == ["healthy", "unhealthy"]:
+                        break
+                    await trio.sleep(0.2)
+                assert trio.current_time() - killed < 10
+                assert "silent" in status["engines"][1]["fault_info"]
+                # The head's engine keeps serving meanwhile.
+                response = await client.post("/v1/completions", json=_body("meanwhile", 4, False))
+                assert response.status_code == 200
+        # The streams on the lost engine end with an error, the others run to their end.
+        assert set(outcomes) == {"error", "length"}, outcomes
+        with trio.fail_after(120):  # the headless host restarts its engine: it rejoins
+            while True:
+                status = (await client.get("/fault_tolerance/status", headers=admin)).json()
+                if [e["status"] for e in status["engines"]] == ["healthy", "healthy"]:
+                    break
+                await trio.sleep(0.5)
+        for i in range(6):
+            response = await client.post("/v1/completions", json=_body(f"again{i}", 4, False))
+            assert response.status_code == 200, response.text
+    assert json.dumps(status)
