@@ -71,10 +71,11 @@ import statistics
 import subprocess
 import sys
 import time
+import timeit
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 ROOT = Path(__file__).resolve().parent.parent
 PROMPT = "The quick brown fox jumps over the lazy dog and"
@@ -109,11 +110,19 @@ class Deployment:
     procs: list[Proc] = field(default_factory=list)
 
 
-def proc_stat(pid: int) -> tuple[int, int]:
-    """(utime + stime in clock ticks, start time in ticks) of `pid`, from /proc/<pid>/stat."""
+class Stat(NamedTuple):
+    """A process's CPU so far (user and system clock ticks) and its start time (ticks)."""
+
+    user: int
+    sys: int
+    start: int
+
+
+def proc_stat(pid: int) -> Stat:
+    """`pid`'s utime, stime and start time, from /proc/<pid>/stat (every thread's CPU)."""
     text = Path(f"/proc/{pid}/stat").read_text()
     fields = text[text.rindex(")") + 2:].split()  # after "pid (comm) "; comm may hold spaces
-    return int(fields[11]) + int(fields[12]), int(fields[19])
+    return Stat(int(fields[11]), int(fields[12]), int(fields[19]))
 
 
 def descendants(pid: int) -> list[int]:
@@ -152,7 +161,7 @@ def find_procs(dep: Deployment) -> list[Proc]:
             title = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(
                 errors="replace").strip()
             procs.append(Proc(pid, role_of(title, pid == root, dep.api_servers), title[:80],
-                              proc_stat(pid)[1]))
+                              proc_stat(pid).start))
     return procs
 
 
@@ -238,7 +247,7 @@ def stop(dep: Deployment) -> None:
     known = {p.pid: p.start_ticks for p in dep.procs}
     for pid in descendants(dep.popen.pid):  # anything started since the last look, too
         with contextlib.suppress(OSError):
-            known.setdefault(pid, proc_stat(pid)[1])
+            known.setdefault(pid, proc_stat(pid).start)
     if dep.popen.poll() is None:
         dep.popen.send_signal(signal.SIGTERM)
         try:
@@ -262,7 +271,7 @@ def _alive(pid: int, start_ticks: int) -> bool:
     """`pid` is still the process that had this start time (and is not a zombie)."""
     try:
         state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-        return proc_stat(pid)[1] == start_ticks and state != "Z"
+        return proc_stat(pid).start == start_ticks and state != "Z"
     except (OSError, IndexError):
         return False
 
@@ -299,34 +308,43 @@ class Stream:
     recvs: list[tuple[float, int]] = field(default_factory=list)  # (time, len(raw) after)
     closed: bool = False  # the server closed the connection before the response ended
     hung: bool = False  # still running at the deadline
+    retried: bool = False  # sent again: its keep-alive connection had been closed
 
 
 class Client:
-    """`concurrency` keep-alive HTTP/1.1 connections driven by one epoll loop."""
+    """Up to `concurrency` keep-alive HTTP/1.1 connections driven by one epoll loop.
+
+    A connection is opened when a request needs one and sends it at once: hypercorn closes a
+    connection idle for 5 s (its keep-alive timeout), before its first request too. A request
+    whose reused connection the server closed before answering a byte (that timeout racing
+    the send) is sent once more on a new connection, as HTTP clients do; `retries` counts them.
+    """
 
     def __init__(self, port: int, concurrency: int, body: bytes) -> None:
         self.port = port
+        self.concurrency = concurrency
         self.request = (f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\n"
                         f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
                         ).encode() + body
         self.epoll = select.epoll()
         self.socks: dict[int, socket.socket] = {}
         self.streams: dict[int, Stream] = {}
-        self.idle: list[int] = []  # connections without a request
-        for _ in range(concurrency):
-            self._connect()
+        self.idle: list[int] = []  # open connections without a request
+        self.reused: set[int] = set()  # connections that have completed a response
+        self.retries = 0
 
-    def _connect(self) -> None:
+    def _connect(self) -> int:
         sock = socket.create_connection(("127.0.0.1", self.port), timeout=30.0)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         sock.setblocking(False)
         self.socks[sock.fileno()] = sock
         self.epoll.register(sock.fileno(), select.EPOLLIN)
-        self.idle.append(sock.fileno())
+        return sock.fileno()
 
     def _drop(self, fd: int) -> None:
         self.epoll.unregister(fd)
         self.socks.pop(fd).close()
+        self.reused.discard(fd)
         with contextlib.suppress(ValueError):
             self.idle.remove(fd)
 
@@ -337,23 +355,32 @@ class Client:
         self.epoll.close()
 
     def refresh(self) -> None:
-        """Replace the idle connections the server closed (hypercorn's keep-alive timeout is
-        5 s: those that ended early in the warm-up may have been idle that long)."""
+        """Drop the idle connections the server has closed (those that ended early in the
+        warm-up may have been idle for its keep-alive timeout)."""
         for fd, _ in self.epoll.poll(0):
             if fd not in self.streams:
                 self._receive(fd)
 
-    def _send(self, fd: int) -> None:
-        self.streams[fd] = Stream(time.perf_counter())
+    def _start(self, stream: Stream | None = None) -> None:
+        """Send a new request on an idle connection or a new one; or `stream` again, always
+        on a new connection (an idle one is closed instead, to keep `concurrency` of them)."""
+        if stream is None:
+            fd = self.idle.pop() if self.idle else self._connect()
+            stream = Stream(time.perf_counter())
+        else:
+            if self.idle:
+                self._drop(self.idle[0])
+            fd = self._connect()
+        self.streams[fd] = stream
         self.socks[fd].send(self.request)  # a few hundred bytes: the socket buffer takes them
 
     def drive(self, total: int, timeout_s: float) -> list[Stream]:
-        """Run `total` requests, at most one per connection at a time; returns them all
-        (those still running after `timeout_s` marked hung)."""
+        """Run `total` requests, `concurrency` at a time (a new one as soon as one ends);
+        returns them all, those still running after `timeout_s` marked hung."""
         done: list[Stream] = []
         issued = 0
-        while self.idle and issued < total:
-            self._send(self.idle.pop())
+        while issued < min(total, self.concurrency):
+            self._start()
             issued += 1
         deadline = time.perf_counter() + timeout_s
         while self.streams and time.perf_counter() < deadline:
@@ -362,8 +389,8 @@ class Client:
                 if finished is None:
                     continue
                 done.append(finished)
-                if issued < total and self.idle:
-                    self._send(self.idle.pop())
+                if issued < total:
+                    self._start()
                     issued += 1
         for stream in self.streams.values():
             stream.hung = True
@@ -382,19 +409,25 @@ class Client:
             data = b""
         if stream is None:  # bytes (or a close) outside any request: drop the connection
             self._drop(fd)
-            self._connect()
             return None
-        if data:
-            stream.raw += data
-            stream.recvs.append((time.perf_counter(), len(stream.raw)))
-            if not (stream.raw.endswith(END_OF_STREAM) or _ended_other(stream.raw)):
-                return None
-            self.idle.append(fd)
-        else:
-            stream.closed = True
+        if not data:
+            del self.streams[fd]
+            stale = fd in self.reused and not stream.raw and not stream.retried
             self._drop(fd)
-            self._connect()  # a fresh connection takes its place
+            if stale:
+                self.retries += 1
+                stream.retried, stream.sent = True, time.perf_counter()
+                self._start(stream)
+                return None
+            stream.closed = True
+            return stream
+        stream.raw += data
+        stream.recvs.append((time.perf_counter(), len(stream.raw)))
+        if not (stream.raw.endswith(END_OF_STREAM) or _ended_other(stream.raw)):
+            return None
         del self.streams[fd]
+        self.idle.append(fd)
+        self.reused.add(fd)
         return stream
 
 
@@ -457,7 +490,8 @@ def analyze(stream: Stream, output_len: int) -> StreamResult:
     status, events = sse_events(bytes(stream.raw), stream.recvs)
     if status != 200:
         body = events[0][1].decode(errors="replace")[:300] if events else ""
-        res.error = f"HTTP {status}: {body}" if status else "no HTTP response"
+        res.error = f"HTTP {status}: {body}" if status else "no HTTP response" + (
+            " (connection closed)" if stream.closed else " (hung)" if stream.hung else "")
     times: list[float] = []
     usage = finish = None
     done = False
@@ -510,16 +544,20 @@ def machine_busy_ticks() -> int:
     return sum(cols[:8]) - cols[3] - cols[4]  # user .. steal, less idle and iowait
 
 
-def cpu_snapshot(procs: list[Proc]) -> dict[int, int]:
-    """CPU ticks of each process (-1: gone), of this client (pid 0) and the machine (-1)."""
+CLIENT, MACHINE = 0, -1  # keys of a CPU snapshot beside the server's pids
+
+
+def cpu_snapshot(procs: list[Proc]) -> dict[int, tuple[int, int]]:
+    """(user, system) CPU ticks of each live process, of this client (key CLIENT) and of the
+    whole machine (MACHINE: busy ticks as user, 0 as system)."""
     snap = {}
     for p in procs:
-        try:
-            snap[p.pid] = proc_stat(p.pid)[0]
-        except OSError:
-            snap[p.pid] = -1
-    snap[0] = proc_stat(os.getpid())[0]
-    snap[-1] = machine_busy_ticks()
+        with contextlib.suppress(OSError):
+            stat = proc_stat(p.pid)
+            snap[p.pid] = (stat.user, stat.sys)
+    own = proc_stat(os.getpid())
+    snap[CLIENT] = (own.user, own.sys)
+    snap[MACHINE] = (machine_busy_ticks(), 0)
     return snap
 
 
@@ -533,6 +571,7 @@ def measure(dep: Deployment, ns: argparse.Namespace, port: int) -> dict[str, Any
         warm = [analyze(s, ns.output_len) for s in client.drive(ns.concurrency, ns.timeout)]
         client.refresh()
         conns = connections_per_proc(dep.procs, port)
+        client.retries = 0
         before, t0 = cpu_snapshot(dep.procs), time.perf_counter()
         streams = client.drive(ns.num_requests, ns.timeout)
         t1 = max((s.recvs[-1][0] for s in streams if s.recvs), default=time.perf_counter())
@@ -541,25 +580,29 @@ def measure(dep: Deployment, ns: argparse.Namespace, port: int) -> dict[str, Any
         client.close()
     results = [analyze(s, ns.output_len) for s in streams]
     wall = t1 - t0
-    cpu = {pid: (after[pid] - before[pid]) / CLK_TCK
-           for pid in before if before[pid] >= 0 and after[pid] >= 0}
-    return summarize(dep, results, warm, wall, cpu, conns)
+    cpu = {pid: ((after[pid][0] - before[pid][0]) / CLK_TCK,
+                 (after[pid][1] - before[pid][1]) / CLK_TCK) for pid in before if pid in after}
+    return {**summarize(dep, results, warm, wall, cpu, conns), "retries": client.retries}
 
 
 def summarize(dep: Deployment, results: list[StreamResult], warm: list[StreamResult],
-              wall: float, cpu: dict[int, float], conns: dict[int, int]) -> dict[str, Any]:
+              wall: float, usr_sys: dict[int, tuple[float, float]],
+              conns: dict[int, int]) -> dict[str, Any]:
     """One run's numbers: throughput, latency, failures, CPU per process and role."""
+    cpu = {pid: u + s for pid, (u, s) in usr_sys.items()}
     tokens = sum(r.tokens for r in results)
     itl = [x for r in results for x in r.itl]
     failed = [r.error for r in results if r.error]
     gone = [p for p in dep.procs if p.pid not in cpu or not _alive(p.pid, p.start_ticks)]
     procs = [{"pid": p.pid, "role": p.role, "title": p.title, "cpu_s": cpu.get(p.pid),
-              "cpu_pct": 100 * cpu.get(p.pid, 0.0) / wall, "connections": conns.get(p.pid, 0)}
-             for p in dep.procs]
+              "cpu_pct": 100 * cpu.get(p.pid, 0.0) / wall,
+              "user_pct": 100 * usr_sys.get(p.pid, (0.0, 0.0))[0] / wall,
+              "sys_pct": 100 * usr_sys.get(p.pid, (0.0, 0.0))[1] / wall,
+              "connections": conns.get(p.pid, 0)} for p in dep.procs]
     role_cpu: dict[str, float] = {}
     for p in dep.procs:
         role_cpu[p.role] = role_cpu.get(p.role, 0.0) + cpu.get(p.pid, 0.0)
-    ours = sum(cpu.get(p.pid, 0.0) for p in dep.procs) + cpu[0]
+    ours = sum(cpu.get(p.pid, 0.0) for p in dep.procs) + cpu[CLIENT]
     return {
         "api_servers": dep.api_servers, "requests": len(results), "wall_s": wall,
         "tokens": tokens, "tok_s": tokens / wall, "events": sum(r.events for r in results),
@@ -571,9 +614,10 @@ def summarize(dep: Deployment, results: list[StreamResult], warm: list[StreamRes
         "supervisor_cpu_pct": 100 * role_cpu.get("supervisor", 0.0) / wall,
         "core_cpu_pct": 100 * (role_cpu.get("engine core", 0.0)
                                + role_cpu.get("coordinator", 0.0)) / wall,
-        "client_cpu_pct": 100 * cpu[0] / wall,
-        "other_cpu_pct": 100 * (cpu[-1] - ours) / wall,
-        "machine_cpu_pct": 100 * cpu[-1] / wall,
+        "client_cpu_pct": 100 * cpu[CLIENT] / wall,
+        "client_user_sys_pct": [100 * x / wall for x in usr_sys[CLIENT]],
+        "other_cpu_pct": 100 * (cpu[MACHINE] - ours) / wall,
+        "machine_cpu_pct": 100 * cpu[MACHINE] / wall,
         "failures": len(failed), "failure_examples": sorted(set(failed))[:5],
         "warmup_failures": sum(bool(r.error) for r in warm),
         "processes_gone": [f"{p.role} {p.title} (pid {p.pid})" for p in gone],
@@ -604,11 +648,15 @@ def print_run(r: dict[str, Any]) -> None:
     print(f"{r['tokens']:,} tokens in {r['wall_s']:.2f} s: {r['tok_s']:,.0f} tok/s; ITL P50 "
           f"{r['p50_itl_ms']:.1f} / P99 {r['p99_itl_ms']:.1f} ms; TTFT P50 "
           f"{r['p50_ttft_ms']:.0f} ms; token events per stream {r['events_per_stream'][:8]}; "
-          f"frontend {r['frontend_us_per_token']:.1f} µs CPU per token")
+          f"frontend {r['frontend_us_per_token']:.1f} µs CPU per token; requests sent again "
+          f"after a keep-alive close: {r['retries']}")
     for p in r["processes"]:
         conns = f", {p['connections']} connections" if p["role"] == "frontend" else ""
-        print(f"  {p['role']:<11} pid {p['pid']:<7} {p['cpu_pct']:5.1f}% CPU{conns}  {p['title']}")
-    print(f"  {'client':<11} pid {os.getpid():<7} {r['client_cpu_pct']:5.1f}% CPU\n"
+        print(f"  {p['role']:<11} pid {p['pid']:<7} {p['cpu_pct']:5.1f}% CPU (user "
+              f"{p['user_pct']:.1f}, sys {p['sys_pct']:.1f}){conns}  {p['title']}")
+    user, sys_ = r["client_user_sys_pct"]
+    print(f"  {'client':<11} pid {os.getpid():<7} {r['client_cpu_pct']:5.1f}% CPU (user "
+          f"{user:.1f}, sys {sys_:.1f})\n"
           f"  other processes on the machine: {r['other_cpu_pct']:.1f}% CPU; machine total "
           f"{r['machine_cpu_pct']:.0f}% of {100 * (os.cpu_count() or 1)}%")
     if r["failures"] or r["warmup_failures"] or r["processes_gone"]:
@@ -681,8 +729,17 @@ def ratios(results: list[dict[str, Any]], api_servers: list[int]) -> list[str]:
 
 
 def frontend_cost(results: list[dict[str, Any]], api_servers: list[int]) -> list[str]:
-    """The frontends' CPU per streamed token against the Python streaming figure."""
+    """The frontends' CPU per streamed token against the Python streaming figure, and whether
+    one API server was the bottleneck (its process near a full core)."""
     lines = []
+    one = [r for r in results if r["api_servers"] == 1]
+    if one:
+        pct = [r["frontend_cpu_pct"] for r in one]
+        other = statistics.median(r["other_cpu_pct"] for r in one)
+        verdict = ("frontend-bound" if statistics.median(pct) >= 85 else
+                   f"NOT frontend-bound, or starved: other processes took {other:.0f}% CPU")
+        lines.append(f"bottleneck check: with 1 API server its process used {span(pct, '.0f')}% "
+                     f"of a core ({verdict})")
     for n in api_servers:
         us = [r["frontend_us_per_token"] for r in results if r["api_servers"] == n]
         if us:
@@ -704,8 +761,11 @@ def machine_info() -> dict[str, Any]:
             versions[pkg] = md.version(pkg)
         except md.PackageNotFoundError:
             versions[pkg] = "not installed"
+    # The speed of this machine's Python, to scale the µs per token by (best of 5).
+    loop_us = min(timeit.repeat("sum(range(1000))", number=2000, repeat=5)) / 2000 * 1e6
     return {"cpu": cpu, "cpus": os.cpu_count(), "kernel": platform.release(),
             "python": platform.python_version(), **versions,
+            "python_sum_range_1000_us": round(loop_us, 1),
             "load_average": os.getloadavg(), "command": shlex.join([sys.argv[0], *sys.argv[1:]])}
 
 
@@ -752,8 +812,10 @@ def raise_fd_limit(needed: int) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     ns = parse_args(argv)
-    # SIGTERM stops the script as Ctrl-C does: through every `finally`, servers stopped.
+    # SIGTERM (and SIGINT, even where the shell started this with it ignored) stop the script
+    # as Ctrl-C does: through every `finally`, so the servers are stopped.
     signal.signal(signal.SIGTERM, signal.default_int_handler)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     info = machine_info()
     print(json.dumps(info), flush=True)
     raise_fd_limit(ns.concurrency * 2 + 256)

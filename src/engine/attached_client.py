@@ -88,6 +88,7 @@ class AttachedMPClient(DPLBAsyncMPClient):
         self.pids = [0] * self.num_engines
         self.last_seen = [time.monotonic()] * self.num_engines
         self.load_seq = -1
+        self._on_core_death: Callable[[int, str], None] | None = None
         if topology.coordinator_publish:
             sock = self.ctx.socket(zmq.SUB)
             sock.setsockopt(zmq.LINGER, 0)
@@ -152,8 +153,20 @@ class AttachedMPClient(DPLBAsyncMPClient):
 
     def _unexpected_handshake(self, reply: HandshakeReply) -> None:
         # A core greets every frontend that (re)connects: a second greeting is expected.
-        if 0 <= reply.engine_index < self.num_engines and reply.ready:
-            self.last_seen[reply.engine_index] = time.monotonic()
+        index = reply.engine_index
+        if not (0 <= index < self.num_engines and reply.ready):
+            return
+        self.last_seen[index] = time.monotonic()
+        old = self.pids[index]
+        if (reply.pid != old and index in self.topology.remote_engines
+                and index not in self.restarting and self._on_core_death is not None):
+            # A new process took the rank over before its predecessor's silence was long
+            # enough to call it lost: the predecessor's requests are gone with it.
+            fault = f"engine core {index} was replaced (pid {old} -> {reply.pid})"
+            logger.error("%s", fault)
+            self._on_core_death(index, fault)
+            self.pids[index] = reply.pid
+            self.restarts[index] += 1
 
     def record_stats(self, outputs: EngineCoreOutputs) -> None:
         if 0 <= outputs.engine_index < self.num_engines:
@@ -163,6 +176,7 @@ class AttachedMPClient(DPLBAsyncMPClient):
     # -- the coordinator -----------------------------------------------------------------------
 
     async def watch_cores(self, on_core_death: Callable[[int, str], None]) -> None:
+        self._on_core_death = on_core_death
         async with trio.open_nursery() as nursery:
             if self._load_sock is not None:
                 nursery.start_soon(self._follow_loads, self._load_sock)

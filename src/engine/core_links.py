@@ -200,14 +200,25 @@ class ClientLinks:
         last_load: tuple[int, int] | None = None
         last_load_at = 0.0
         last_sent = [time.monotonic()] * len(socks)
-        wait = self.heartbeat_s
+        beat = self.heartbeat_s
+        heartbeat = encoder.encode(EngineCoreOutputs(engine_index=self.engine_index))
         clock = time.perf_counter
         try:
             while True:
+                wait = None
+                if beat is not None:
+                    # Every frontend hears from this core at least every `beat`, also one
+                    # whose requests are elsewhere while the others keep the queue busy.
+                    now = time.monotonic()
+                    for client, sent in enumerate(last_sent):
+                        if self.up[client] and now - sent >= beat:
+                            socks[client].send_multipart(heartbeat, copy=False)
+                            last_sent[client] = now
+                    wait = max(0.0, min(last_sent) + beat - now)
                 try:
                     item = output_queue.get(timeout=wait)
                 except queue.Empty:
-                    item = (BROADCAST, EngineCoreOutputs(engine_index=self.engine_index))
+                    continue
                 if item is None:
                     break
                 target, message = item

@@ -7,8 +7,8 @@ the shared listening socket as an inherited descriptor. It titles itself
 `ringserve serve` runs (`ringserve.http.server.serve`: hypercorn + `AsyncLLM` under one
 nursery), its `AsyncLLM` attached to the deployment's cores as client `i`. SIGTERM drains
 it as it drains a one-process server. Exit status: 0 after a signal, `ENGINE_DEAD` when the
-engine died (the supervisor then stops the deployment), 1 for anything else (it is
-restarted).
+engine died and `STARTUP_FAILED` when a core reported it could not start (the supervisor then
+stops the deployment), 1 for anything else (it is restarted).
 """
 
 from __future__ import annotations
@@ -25,11 +25,12 @@ from ringserve import envs
 from ringserve.config import EngineConfig
 from ringserve.engine.attached_client import Attachment
 from ringserve.engine.cluster_wire import ClusterTopology
-from ringserve.engine.errors import EngineDeadError
+from ringserve.engine.errors import EngineDeadError, EngineStartupError
 from ringserve.http.settings import ServeSettings
 from ringserve.lifeline import install_lifeline
 
 ENGINE_DEAD = 3
+STARTUP_FAILED = 4
 
 
 class FrontendInit(msgspec.Struct, array_like=True):
@@ -63,6 +64,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"ringserve: API server {ns.client_index}: the engine died: {exc}",
               file=sys.stderr)
         return ENGINE_DEAD
+    except EngineStartupError as exc:
+        print(f"ringserve: API server {ns.client_index}: {exc}", file=sys.stderr)
+        return STARTUP_FAILED
     except KeyboardInterrupt:
         return 0
     return 0

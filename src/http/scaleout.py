@@ -50,10 +50,10 @@ from ringserve.engine.cluster import (
     tcp_addresses,
 )
 from ringserve.engine.cluster_wire import ClusterTopology
-from ringserve.engine.errors import EngineDeadError
+from ringserve.engine.errors import EngineDeadError, EngineStartupError
 from ringserve.engine.fault_tolerance import RestartBudget
 from ringserve.engine.mp_client import ChildProcess
-from ringserve.http.frontend_proc import ENGINE_DEAD, FrontendInit
+from ringserve.http.frontend_proc import ENGINE_DEAD, STARTUP_FAILED, FrontendInit
 from ringserve.http.server import _clean_stale, configure_logging, hypercorn_config, open_listener
 from ringserve.http.settings import ServeSettings
 from ringserve.http.supervisor import STOP_SIGNALS
@@ -139,7 +139,7 @@ class Deployment:
         self.budgets = [RestartBudget() for _ in topology.frontends]
         self.frontend_restarts = [0] * len(topology.frontends)
         self.stopping = False
-        self.engine_error: EngineDeadError | None = None
+        self.engine_error: EngineDeadError | EngineStartupError | None = None
         self._init = msgspec.msgpack.encode(FrontendInit(self.config, settings, topology))
 
     async def run(self) -> None:
@@ -201,9 +201,11 @@ class Deployment:
             if self.stopping:
                 return
             code = proc.proc.returncode
-            if code == ENGINE_DEAD:
-                self.engine_error = EngineDeadError(f"API server {index} reports the engine "
-                                                    "is dead (its log says why)")
+            if code in (ENGINE_DEAD, STARTUP_FAILED):
+                what = "is dead" if code == ENGINE_DEAD else "could not start"
+                self.engine_error = (EngineDeadError if code == ENGINE_DEAD
+                                     else EngineStartupError)(
+                    f"API server {index} reports the engine {what} (its log above says why)")
                 await self._stop_frontends(scope)
                 return
             crash_loop = self.budgets[index].spend()
