@@ -81,6 +81,7 @@ ROOT = Path(__file__).resolve().parent.parent
 PROMPT = "The quick brown fox jumps over the lazy dog and"
 PYTHON_STREAMING_US = 37.0  # µs per streamed token, the issue's figure for a Python server
 TARGET_RATIO = 1.4
+QUIET_OTHER_PCT = 20.0  # other processes' CPU (% of a core) under which a run counts as quiet
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 END_OF_STREAM = b"data: [DONE]\n\n\r\n0\r\n\r\n"  # the [DONE] event, then the last chunk
 
@@ -707,24 +708,33 @@ def table(results: list[dict[str, Any]], api_servers: list[int]) -> str:
 
 
 def ratios(results: list[dict[str, Any]], api_servers: list[int]) -> list[str]:
-    """Each configuration's tokens/s over the first's, taken within each round."""
+    """Each configuration's tokens/s over the first's, taken within each round, with the CPU
+    that other processes took in the two runs (a shared machine); and the same over the
+    rounds where both stayed under QUIET_OTHER_PCT."""
     lines = []
     base = api_servers[0]
-    by_round: dict[int, dict[int, float]] = {}
+    by_round: dict[int, dict[int, dict[str, Any]]] = {}
     for r in results:
-        by_round.setdefault(r["round"], {})[r["api_servers"]] = r["tok_s"]
+        by_round.setdefault(r["round"], {})[r["api_servers"]] = r
     for n in api_servers[1:]:
-        per = [v[n] / v[base] for v in by_round.values() if n in v and base in v]
-        if not per:
+        pairs = [(v[n], v[base]) for v in by_round.values() if n in v and base in v]
+        if not pairs:
             continue
+        per = [a["tok_s"] / b["tok_s"] for a, b in pairs]
         med = statistics.median(per)
         verdict = ""
         if (base, n) == (1, 2):
             verdict = (f"; target >= {TARGET_RATIO}x on the median: "
                        f"{'met' if med >= TARGET_RATIO else 'NOT met'}")
-        lines.append(f"{n} / {base} API servers, streamed tok/s: {med:.2f}x (per round: "
-                     f"{', '.join(f'{x:.2f}' for x in per)}; range {min(per):.2f}-"
-                     f"{max(per):.2f}){verdict}")
+        shown = ", ".join(f"{x:.2f} (other processes {b['other_cpu_pct']:.0f}% / "
+                          f"{a['other_cpu_pct']:.0f}%)" for x, (a, b) in zip(per, pairs, strict=True))
+        lines.append(f"{n} / {base} API servers, streamed tok/s: {med:.2f}x (per round: {shown}; "
+                     f"range {min(per):.2f}-{max(per):.2f}){verdict}")
+        quiet = [x for x, (a, b) in zip(per, pairs, strict=True)
+                 if max(a["other_cpu_pct"], b["other_cpu_pct"]) < QUIET_OTHER_PCT]
+        lines.append(f"  rounds where other processes took < {QUIET_OTHER_PCT:.0f}% of a core in "
+                     f"both runs: {len(quiet)} of {len(per)}" + (
+                         f", ratio {span(quiet, '.2f')}" if quiet else ""))
     return lines
 
 

@@ -227,10 +227,13 @@ def test_report_medians_ranges_per_round_ratios_and_failures() -> None:
     table = bench.table(results, [1, 2])
     assert "| 1 | 3 | 1,000 [800-1,200] |" in table
     assert "| 2 | 3 | 1,500 [1,500-1,600] |" in table and table.endswith("| 2 !!! |")
-    [ratio] = bench.ratios(results, [1, 2])
+    results[4]["other_cpu_pct"] = 90.0  # round 3's 1-server run shared the machine
+    ratio, quiet = bench.ratios(results, [1, 2])
     # Per round 1.50, 2.00, 1.25: the median of the ratios, not the ratio of the medians.
-    assert "1.50x (per round: 1.50, 2.00, 1.25; range 1.25-2.00)" in ratio
+    assert "1.50x (per round: 1.50 (other processes 1% / 1%), 2.00 (" in ratio
+    assert "1.25 (other processes 90% / 1%); range 1.25-2.00)" in ratio
     assert "target >= 1.4x on the median: met" in ratio
+    assert "2 of 3, ratio 1.75 [1.50-2.00]" in quiet
     low = [_run(1, 1, 1000), _run(2, 1, 1100)]
     assert "NOT met" in bench.ratios(low, [1, 2])[0]
     cost = bench.frontend_cost(results, [1, 2])
