@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
-"""Scale-out of the HTTP frontend (`ringserve serve --api-server-count N`): streamed tokens/s,
-P99 ITL and the CPU per streamed token of a frontend, with 1 and 2 API servers in one run.
+"""Scale-out of the HTTP frontend (`ringserve serve --api-server-count N`): streamed tokens/s, P99
+ITL and the CPU per streamed token of a frontend, with 1 and 2 API servers in one run.
 
 The workload is frontend-bound on purpose: the engine cores run the null model
 (`RINGSERVE_NULL_STEP_MS`: no weights, made-up tokens that are never EOS, each step a fixed
@@ -8,18 +8,19 @@ sleep of `--step-ms`), the tokenizer is the tiny test Llama's
 (`ringserve.gpu.testing.tiny_model("llama")`), and `--concurrency` (1,024) streams of short
 outputs (`--output-len` 16 tokens, `ignore_eos`, a short text prompt) run at once, a new one
 starting on a connection as soon as its previous one ends, `--num-requests` (4,096) in all. The
-step time: one step answers every running request, so with 1,024 streams the null engine
-offers 1,024 tokens per (step + its own scheduling time), ~200k tokens/s at 2 ms, while one
-Python frontend streams a few 10k tokens/s; the frontend is then the bottleneck (its process at
-~100% of a core with one API server is the check, printed below), and the engine core sleeps
-through the step instead of burning the CPU that the frontends share with it (a 0 ms step
-would spin the core on ever-smaller batches). A much longer step (say 50 ms) would make the
-engine the limit at 1,024 streams: 1,024 / 0.05 s = 20k tokens/s.
+step time: one step answers every running request, so with 1,024 streams the null engine offers
+at most 1,024 tokens per 2 ms step (512k tokens/s, less its own scheduling time), far above
+what one Python frontend streams (~2k tokens/s on the 2-core VM this was written on), so the
+frontend is the bottleneck: its process at ~100% of a core with one API server is the check,
+printed at the end. The step sleeps rather than computes, so the engine core only takes the CPU
+its scheduling needs, as a GPU-bound core would; a 0 ms step would run steps back to back and
+take CPU from the frontends it shares the cores with. A step much longer than 1,024 / (the
+frontends' tokens/s) would make the engine the limit.
 
 Each round (`--runs`) starts a server per `--api-servers` entry in turn (1, 2, 1, 2, ...: the
 configurations alternate under the same background load), waits for `/health` and for every API
-server to be serving, runs one warm-up request on each connection (so every connection is
-open and accepted before the clock starts; which frontend got how many connections is
+server to be serving, runs one warm-up request on each connection (so every connection is open
+and accepted before the clock starts; which frontend the kernel gave how many connections is
 printed), then the measured requests, and stops it (SIGTERM, then SIGKILL of the supervisor and
 every process it had started).
 
@@ -27,21 +28,22 @@ The client is as cheap as Python gets, so the server, not the client, is measure
 one epoll loop over `--concurrency` non-blocking keep-alive HTTP/1.1 sockets, each request a
 prebuilt byte string, each receive one `recv` appended to the stream's buffer with its arrival
 time; the SSE events are parsed only after the measured interval (JSON, token events, usage,
-`[DONE]`, finish reason). One client process rather than several: on 2 shared cores more
-client processes add no capacity, only context switches and CPU taken from the server; its
-CPU share is measured and printed, so a reader can see it is small next to the frontends'.
+`[DONE]`, finish reason). One client process rather than several: on 2 shared cores more client
+processes add no capacity, only context switches and CPU taken from the server; its CPU share
+is measured and printed, so a reader can see it is small next to the frontends'.
 
-Every stream is checked: HTTP 200, no error chunk, `[DONE]`, finish reason "length", and
-usage `completion_tokens` == `--output-len` (the server may merge several tokens into one
-chunk when a stream lags, so token events can be fewer than tokens; their count per stream is
-reported). Failures are counted and printed, never dropped. Streamed tokens/s: the tokens
-received / (last measured stream's end - first measured request's send). ITL: the gaps between
-consecutive token events of a stream (vLLM's `bench serve` definition). CPU: utime + stime
-(/proc/<pid>/stat) of every server process (supervisor, API servers, engine cores, coordinator)
-and of the client over the measured interval only; "other" is the machine's busy time
-(/proc/stat) minus all of these (whatever else runs on the machine). With one API server the
-deployment is one process (hypercorn + the engine client) plus the engine core, so that process
-is the frontend; with N > 1 a supervisor process owns N frontend processes.
+Every stream is checked: HTTP 200, no error chunk, `[DONE]`, finish reason "length", and usage
+`completion_tokens` == `--output-len` (the server may merge several tokens into one chunk when
+a stream lags, so token events can be fewer than tokens; their count per stream is reported).
+Failures are counted and printed, never dropped. Streamed tokens/s: the tokens received / (last
+measured stream's end - first measured request's send). ITL: the gaps between consecutive token
+events of a stream (vLLM's `bench serve` definition). CPU: utime + stime (/proc/<pid>/stat) of
+every server process (supervisor, API servers, engine cores, coordinator) and of the client
+over the measured interval only; "other" is the machine's busy time (/proc/stat) minus all of
+these (whatever else runs on the machine: each round's ratio is printed with it, and the ratio
+over the rounds where it stayed under 20% of a core). With one API server the deployment is one
+process (hypercorn + the engine client) plus the engine core, so that process is the frontend;
+with N > 1 a supervisor process owns N frontend processes.
 
 The target (the issue): 2 API servers >= 1.4x one API server's tokens/s on 2 cores, taken per
 round; the frontend's CPU per streamed token is compared with the ~37 µs per token reported for
@@ -218,7 +220,8 @@ def http_status(port: int, path: str) -> int:
 def log_tail(log: Path, lines: int = 30) -> str:
     """The last lines of a server log, indented."""
     with contextlib.suppress(OSError):
-        return "\n".join("    " + ln for ln in log.read_text(errors="replace").splitlines()[-lines:])
+        text = log.read_text(errors="replace")
+        return "\n".join("    " + ln for ln in text.splitlines()[-lines:])
     return "    (no log)"
 
 
@@ -727,7 +730,8 @@ def ratios(results: list[dict[str, Any]], api_servers: list[int]) -> list[str]:
             verdict = (f"; target >= {TARGET_RATIO}x on the median: "
                        f"{'met' if med >= TARGET_RATIO else 'NOT met'}")
         shown = ", ".join(f"{x:.2f} (other processes {b['other_cpu_pct']:.0f}% / "
-                          f"{a['other_cpu_pct']:.0f}%)" for x, (a, b) in zip(per, pairs, strict=True))
+                          f"{a['other_cpu_pct']:.0f}%)"
+                          for x, (a, b) in zip(per, pairs, strict=True))
         lines.append(f"{n} / {base} API servers, streamed tok/s: {med:.2f}x (per round: {shown}; "
                      f"range {min(per):.2f}-{max(per):.2f}){verdict}")
         quiet = [x for x, (a, b) in zip(per, pairs, strict=True)

@@ -57,6 +57,8 @@ LONG = {
         "bench serve's unit tests",
     "tests/gpu/test_gpu_executor_ray.py": "the mp executor's tests",
     "tests/gpu/test_ray_cluster.py": "the mp executor's worker-death tests",
+    "tests/scripts/test_bench_scaleout.py::"
+    "test_a_tiny_real_run_streams_every_token_and_leaves_no_process": "the bench's unit tests",
     "tests/http/test_scaleout_server.py::test_sigterm_drains_every_frontend_then_exits_zero":
         "test_http_server.py::test_sigterm_drains_then_exits_zero[sigterm] (one frontend)",
     "tests/http/test_scaleout_server.py::test_sigkill_of_the_supervisor_leaves_no_process":
