@@ -59,6 +59,11 @@ LONG = {
     "tests/gpu/test_ray_cluster.py": "the mp executor's worker-death tests",
     "tests/scripts/test_bench_scaleout.py::"
     "test_a_tiny_real_run_streams_every_token_and_leaves_no_process": "the bench's unit tests",
+    "tests/http/test_scaleout_headless.py":
+        "test_scaleout_routing.py (attached frontends) and test_cluster_auth.py (refused peers)",
+    "tests/http/test_scaleout_server.py::"
+    "test_killed_frontend_is_restarted_and_the_others_streams_go_on":
+        "test_scaleout_routing.py::test_cores_abort_a_gone_frontends_requests",
     "tests/http/test_scaleout_server.py::test_sigterm_drains_every_frontend_then_exits_zero":
         "test_http_server.py::test_sigterm_drains_then_exits_zero[sigterm] (one frontend)",
     "tests/http/test_scaleout_server.py::test_sigkill_of_the_supervisor_leaves_no_process":
