@@ -34,9 +34,15 @@ import trio
 import zmq
 
 from ringserve.config import EngineConfig
-from ringserve.engine.cluster_wire import ClusterTopology, FrontendAddrs, JoinReply, JoinRequest
+from ringserve.engine.cluster_wire import (
+    STARTUP_FAILED_STATUS,
+    ClusterTopology,
+    FrontendAddrs,
+    JoinReply,
+    JoinRequest,
+)
 from ringserve.engine.core_sender import recv_frame
-from ringserve.engine.errors import EngineDeadError
+from ringserve.engine.errors import EngineDeadError, EngineStartupError
 from ringserve.engine.fault_tolerance import RestartBudget
 from ringserve.engine.ipc_dir import make_ipc_dir
 from ringserve.engine.mp_client import ChildProcess, CoreProcess
@@ -200,6 +206,7 @@ class EngineFleet:
 
         Raises:
             EngineDeadError: a core died and cannot be restarted.
+            EngineStartupError: a core could not start (it is not restarted).
         """
         topology = self.topology
         if not self.cluster.headless and topology.coordinator_input:
@@ -242,6 +249,9 @@ class EngineFleet:
                 return
             reason = f"engine core {rank} {proc.describe_exit()}"
             proc.lifeline.cut()
+            if proc.proc.returncode == STARTUP_FAILED_STATUS:
+                raise EngineStartupError(f"engine core {rank} failed to start (its reason "
+                                         "is above)")
             if self._store is not None:  # the other cores of the lockstep cannot step alone
                 from ringserve.engine import dp_wave
 

@@ -12,6 +12,10 @@ from __future__ import annotations
 
 import msgspec
 
+# Exit status of an engine core whose start failed (its reason went out in the handshake):
+# its supervisor does not restart it.
+STARTUP_FAILED_STATUS = 2
+
 
 class FrontendAddrs(msgspec.Struct, array_like=True):
     """Where one frontend's sockets are bound: requests (ROUTER) and outputs (PULL)."""

@@ -41,7 +41,7 @@ import zmq
 
 from ringserve import envs
 from ringserve.config import EngineConfig
-from ringserve.engine.cluster_wire import ClusterTopology
+from ringserve.engine.cluster_wire import STARTUP_FAILED_STATUS, ClusterTopology
 from ringserve.engine.core import EngineCore
 from ringserve.engine.core_links import BROADCAST, ClientLinks
 from ringserve.engine.dp_wave import PeerFault, WaveSync, lockstep_timeout
@@ -202,6 +202,7 @@ class EngineCoreProc:
         for thread in self._threads:
             thread.start()
         self.core: EngineCore | None = None
+        self.start_error = ""  # why start_core() failed
         self._executor_class = executor_class
         # Set (with the main thread interrupted) when the output thread dies.
         self.output_error: BaseException | None = None
@@ -283,6 +284,7 @@ class EngineCoreProc:
             # must not raise at an arbitrary point of the teardown (inside a GC callback it
             # printed "Exception ignored ... _Shutdown" under the one-line error).
             signal.signal(signal.SIGTERM, signal.SIG_IGN)
+            self.start_error = describe(exc)
             self.broadcast(HandshakeReply(ready=False, error=describe(exc),
                                           engine_index=self.engine_index, pid=os.getpid()))
             return False
@@ -486,7 +488,13 @@ def main(argv: list[str] | None = None) -> int:
                           topology=topology, secure=secure)
     status = 0
     try:
-        status = FaultSentinel(proc).run() if proc.start_core() else 1
+        if proc.start_core():
+            status = FaultSentinel(proc).run()
+        else:
+            status = STARTUP_FAILED_STATUS
+            if topology is not None:  # the supervisor's log says why, before it stops
+                print(f"ringserve: engine core {ns.engine_index} failed to start: "
+                      f"{proc.start_error}", file=sys.stderr)
     except _Shutdown:
         status = 0
     except OutputThreadDied:

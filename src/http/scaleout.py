@@ -188,8 +188,10 @@ class Deployment:
                          task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
         try:
             await self.fleet.run(task_status=task_status)
-        except EngineDeadError as exc:
-            logger.error("the engine is dead: %s; stopping", exc)
+        except* (EngineDeadError, EngineStartupError) as group:  # from the fleet's nursery
+            exc = group.exceptions[0]
+            assert isinstance(exc, EngineDeadError | EngineStartupError)
+            logger.error("%s; stopping", exc)
             self.engine_error = exc
             await self._stop_frontends(scope)
 

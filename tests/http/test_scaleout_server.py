@@ -21,7 +21,7 @@ from typing import Any
 import httpx
 import pytest
 import trio
-from test_http_server import ADMIN_KEY, LiveServer, _auth
+from test_http_server import ADMIN_KEY, SMALL_FLAGS, LiveServer, _auth, _run_serve
 
 from ringserve.shm.liveness import pid_alive
 
@@ -226,3 +226,12 @@ def test_sigkill_of_the_supervisor_leaves_no_process(model_dir: Path, tmp_path: 
             for pid in left:
                 os.kill(pid, signal.SIGKILL)
         assert not left
+
+
+def test_a_core_that_cannot_start_stops_the_deployment_with_its_reason(model_dir: Path) -> None:
+    """Not restarted, not a crash loop: one line with the core's reason, exit 2, no child."""
+    done = _run_serve(str(model_dir), "--port", "0", *SMALL_FLAGS, *FLAGS,
+                      "--kv-cache-memory", "1KiB")
+    assert done.returncode == 2, done.stderr
+    assert "failed to start: ValueError: the KV cache gets 1024 bytes" in done.stderr
+    assert "restarting it" not in done.stderr and "Traceback" not in done.stderr
