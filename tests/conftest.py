@@ -59,6 +59,12 @@ LONG = {
     "tests/gpu/test_ray_cluster.py": "the mp executor's worker-death tests",
     "tests/scripts/test_bench_scaleout.py::"
     "test_a_tiny_real_run_streams_every_token_and_leaves_no_process": "the bench's unit tests",
+    "tests/http/test_scaleout_server.py::"
+    "test_a_core_that_cannot_start_stops_the_deployment_with_its_reason":
+        "test_http_server.py::test_port_in_use_is_one_line (one-line start-up errors)",
+    "tests/engine/test_scaleout_routing.py::"
+    "test_each_frontend_gets_its_own_outputs_under_the_same_ids":
+        "test_scaleout_server.py::test_200_streams_over_two_frontends_and_two_engines",
     "tests/http/test_scaleout_headless.py":
         "test_scaleout_routing.py (attached frontends) and test_cluster_auth.py (refused peers)",
     "tests/http/test_scaleout_server.py::"
