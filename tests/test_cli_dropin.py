@@ -285,7 +285,8 @@ def test_vllm_command_line_builds_the_configs(tiny_llama_dir: Path,
     ns = _checked(["serve", str(tiny_llama_dir), "--max-model-len", "auto", "--device", "cpu",
                    "--served-model-name", "first", "second", "--kv-cache-memory-bytes", "16M",
                    "--root-path", "/llm/", "--allowed-origins", '["https://a.example"]',
-                   "https://b.example", "--allow-credentials", "--metrics-prefix", "vllm"])
+                   "https://b.example", "--allow-credentials", "--metrics-prefix", "vllm",
+                   "--timeout-keep-alive", "30"])
     engine_config = EngineArgs.from_cli_args(ns).create_engine_config()
     assert engine_config.model_config.max_model_len == 2048  # config.json's
     assert engine_config.model_config.served_model_name == "first"  # metrics use the first
@@ -297,3 +298,4 @@ def test_vllm_command_line_builds_the_configs(tiny_llama_dir: Path,
     assert settings.allowed_origins == ("https://a.example", "https://b.example")
     assert settings.allowed_methods == settings.allowed_headers == ("*",)
     assert settings.allow_credentials and settings.metrics_prefix == "vllm"
+    assert settings.timeout_keep_alive == 30.0  # hypercorn's keep_alive_timeout

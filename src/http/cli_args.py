@@ -68,6 +68,10 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--shutdown-timeout", type=float, default=_DEFAULTS.shutdown_timeout,
                        help="seconds in-flight requests may take to finish after SIGTERM/SIGINT "
                             f"(default: {_DEFAULTS.shutdown_timeout:g})")
+    group.add_argument("--timeout-keep-alive", type=float, default=_DEFAULTS.timeout_keep_alive,
+                       help="seconds an idle keep-alive connection (or one that has not sent "
+                            "its first request yet) stays open "
+                            f"(default: {_DEFAULTS.timeout_keep_alive:g}, as vLLM)")
     group.add_argument("--root-path", default=_DEFAULTS.root_path,
                        help="path prefix a proxy serves the API under (ASGI root_path): "
                             "/PREFIX/v1/... and /v1/... are both served")
@@ -116,6 +120,9 @@ def check_serve_args(ns: argparse.Namespace) -> None:
                          "allowed: a byte count >= 1")
     if not (math.isfinite(ns.shutdown_timeout) and ns.shutdown_timeout >= 0):
         raise ValueError(f"--shutdown-timeout: got {ns.shutdown_timeout}, allowed: seconds >= 0")
+    if not (math.isfinite(ns.timeout_keep_alive) and ns.timeout_keep_alive > 0):
+        raise ValueError(f"--timeout-keep-alive: got {ns.timeout_keep_alive}, allowed: "
+                         "seconds > 0")
     if ns.tool_call_parser is not None:
         check_tool_parser(ns.tool_call_parser)
     if ns.enable_auto_tool_choice and ns.tool_call_parser is None:
@@ -173,6 +180,7 @@ def settings_from_args(ns: argparse.Namespace, engine_config: EngineConfig) -> S
         chat_template=resolve_chat_template(ns.chat_template),
         max_request_body_bytes=ns.max_request_body_bytes,
         shutdown_timeout=ns.shutdown_timeout,
+        timeout_keep_alive=ns.timeout_keep_alive,
         certfile=certfile,
         keyfile=keyfile,
         enable_log_requests=engine_config.observability_config.enable_log_requests,

@@ -154,6 +154,7 @@ def hypercorn_config(settings: ServeSettings, sock: socket.socket) -> Any:
     """
     config = hypercorn.config.Config()
     config.graceful_timeout = _GRACEFUL_TIMEOUT_S
+    config.keep_alive_timeout = settings.timeout_keep_alive
     config.accesslog = None  # the app logs requests itself (--enable-log-requests)
     config.errorlog = logging.getLogger("hypercorn.error")  # through our handler, once
     if settings.certfile is not None and settings.keyfile is not None:

@@ -33,6 +33,8 @@ class ServeSettings:
         chat_template: a Jinja chat template overriding the tokenizer's (text, not a path).
         max_request_body_bytes: larger bodies get 413.
         shutdown_timeout: seconds in-flight requests may take to finish after SIGTERM.
+        timeout_keep_alive: seconds an idle connection stays open (hypercorn's keep-alive
+            timeout; vLLM's `--timeout-keep-alive`, default 5).
         certfile, keyfile: TLS (h2 by ALPN) when both are given.
         enable_log_requests: log one line per request.
         enable_auto_tool_choice: `tool_choice: "auto"` is served (with `tool_call_parser`).
@@ -51,6 +53,7 @@ class ServeSettings:
     chat_template: str | None = None
     max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES
     shutdown_timeout: float = 30.0
+    timeout_keep_alive: float = 5.0
     certfile: str | None = None
     keyfile: str | None = None
     enable_log_requests: bool = False

@@ -235,6 +235,7 @@ def test_tensor_of_the_wrong_shape_is_one_line_and_exit_one(tiny_llama_dir: Path
 @pytest.mark.parametrize(("flags", "expected"), [
     (("--port", "70000"), "--port: got 70000, allowed: 0..65535"),
     (("--shutdown-timeout", "-1"), "--shutdown-timeout: got -1.0"),
+    (("--timeout-keep-alive", "0"), "--timeout-keep-alive: got 0.0, allowed: seconds > 0"),
     (("--port", "x"), "argument --port: invalid int value: 'x'"),
     (("--certfile", "/nonexistent.pem"), "--certfile needs --keyfile"),
     (("--chat-template", "no_such_template.jinja"), "--chat-template: 'no_such_template.jinja'"),

@@ -168,3 +168,15 @@ def test_pick_error_prefers_the_telling_leaf() -> None:
     assert pick_error(BaseExceptionGroup("x", [port])) is port
     bugs = BaseExceptionGroup("x", [RuntimeError("a"), RuntimeError("b")])
     assert pick_error(bugs) is bugs
+
+
+def test_keep_alive_timeout_reaches_hypercorn() -> None:
+    """`--timeout-keep-alive` (vLLM's flag) is hypercorn's keep_alive_timeout."""
+    sock = open_listener("127.0.0.1", 0)
+    config = hypercorn_config(ServeSettings(port=0, timeout_keep_alive=42.0), sock)
+    try:
+        assert config.keep_alive_timeout == 42.0
+    finally:
+        import os
+
+        os.close(int(config.bind[0].removeprefix("fd://")))
