@@ -284,10 +284,3 @@ def _send_load(sock: zmq.Socket[Any], encoder: MsgpackEncoder, load: EngineLoad)
     with contextlib.suppress(zmq.Again):
         sock.send_multipart(encoder.encode(load), flags=zmq.NOBLOCK, copy=False)
 
-
-def is_fault_notice(message: Any) -> bool:
-    """True for an output batch every frontend must see (fault status, the dead notice)."""
-    return isinstance(message, EngineCoreOutputs) and (
-        message.fault_status is not None
-        or (message.utility_output is not None and message.utility_output.call_id < 0))
-
