@@ -110,6 +110,8 @@ class AsyncMPClient:
         self.restarting: set[int] = set()
         self._handshakes: dict[int, tuple[trio.Event, list[HandshakeReply]]] = {}
         self.restarts = [0] * self.num_engines
+        # While `watch_cores` runs: its nursery and callback (for cores added later).
+        self._watching: tuple[trio.Nursery, Callable[[int, str], None]] | None = None
         self.num_blocks = 0
         self.max_model_len = config.model_config.max_model_len
 
@@ -285,10 +287,11 @@ class AsyncMPClient:
         call_id = next(self._call_ids)
         event, results = trio.Event(), list[Any]()
         self._calls[call_id] = (event, results)
+        engines = self.num_engines  # elastic scaling may change it meanwhile
         try:
-            for engine in range(self.num_engines):
+            for engine in range(engines):
                 await self.send(engine, UtilityCall(call_id, method, list(args)))
-            while len(results) < self.num_engines:
+            while len(results) < engines:
                 await event.wait()
                 event = trio.Event()
                 self._calls[call_id] = (event, results)
@@ -393,8 +396,17 @@ class AsyncMPClient:
         """
         async with trio.open_nursery() as nursery:
             nursery.start_soon(self._sender.run)  # queued aborts go out once there is room
+            self._watching = (nursery, on_core_death)
             for index in range(self.num_engines):
-                nursery.start_soon(self._watch_core, index, on_core_death, nursery.cancel_scope)
+                self.watch_core(index)
+        self._watching = None
+
+    def watch_core(self, index: int) -> None:
+        """Start watching core `index`'s process (a core added by elastic scaling; the
+        others are watched from `watch_cores`' start)."""
+        if self._watching is not None:
+            nursery, on_core_death = self._watching
+            nursery.start_soon(self._watch_core, index, on_core_death, nursery.cancel_scope)
 
     async def _watch_core(self, index: int, on_core_death: Callable[[int, str], None],
                           scope: trio.CancelScope) -> None:
@@ -410,6 +422,8 @@ class AsyncMPClient:
                 finally:
                     os.close(fd)
             # Acted on at once: the status is read without waiting for the reaping thread.
+            if proc.retiring:
+                return  # stopped on purpose: it left the deployment (elastic scale-down)
             if self._closed:
                 scope.cancel()
                 return
@@ -467,13 +481,7 @@ class AsyncMPClient:
                                     self._executor))
             self.processes[index] = proc
             with trio.move_on_after(envs.engine_ready_timeout_s()):
-                async with trio.open_nursery() as nursery:
-                    async def exited() -> None:
-                        await trio.to_thread.run_sync(proc.exited.wait, abandon_on_cancel=True)
-                        nursery.cancel_scope.cancel()
-                    nursery.start_soon(exited)
-                    await event.wait()
-                    nursery.cancel_scope.cancel()
+                await await_handshake(proc, event)
         except OSError as exc:
             return f"cannot start a process: {exc}"
         finally:
@@ -521,6 +529,17 @@ class AsyncMPClient:
         if self._dir is not None:
             shutil.rmtree(self._dir, ignore_errors=True)
         self._store = None  # stops serving
+
+
+async def await_handshake(proc: CoreProcess, event: trio.Event) -> None:
+    """Return once `event` is set (the core's handshake arrived) or the process has exited."""
+    async with trio.open_nursery() as nursery:
+        async def exited() -> None:
+            await trio.to_thread.run_sync(proc.exited.wait, abandon_on_cancel=True)
+            nursery.cancel_scope.cancel()
+        nursery.start_soon(exited)
+        await event.wait()
+        nursery.cancel_scope.cancel()
 
 
 def _remove_dead_segments() -> None:

@@ -1,8 +1,9 @@
 """`ringserve.AsyncLLM`: the async (trio) frontend over engine-core processes.
 
 What an HTTP handler talks to. `generate()` validates and tokenizes (long prompts off the event
-loop), applies admission control, sends the request to a core through `AsyncMPClient` (or
-`DPLBAsyncMPClient` for data parallel), and yields RequestOutputs from the request's collector.
+loop), applies admission control, sends the request to a core through `DPLBAsyncMPClient`
+(`AsyncMPClient` with routing over data-parallel cores), and yields RequestOutputs from the
+request's collector.
 One output-handler task receives every EngineCoreOutputs, processes it in chunks of
 `RINGSERVE_OUTPUT_PROC_CHUNK_SIZE` with a checkpoint between chunks (so 1,000 streams never
 starve other tasks), feeds the collectors and sends stop-string aborts back. Cancelling a
@@ -13,6 +14,9 @@ Fault tolerance: a core that reports a fault (UNHEALTHY) has already ended its r
 an error; the engine stays up, new requests fail fast with `EngineRecoveringError`, and
 `apply_fault_instruction("retry" | "abort")` (or `submit_fault_instruction`, which runs it in
 the background) tells the cores what to do; `fault_status()` reports every core's state.
+
+Elastic data parallelism (`prepare_elastic_dp` / `commit_elastic_dp`, `scale_elastic_dp`):
+`ringserve.engine.elastic_dp`.
 
 Lifecycle: `async with AsyncLLM.from_engine_args(args) as llm:` starts the cores and the
 handler in its own nursery; a server can instead `await nursery.start(llm.run)` to supervise it
@@ -37,6 +41,7 @@ from ringserve.engine.async_client import AsyncMPClient
 from ringserve.engine.attached_client import AttachedMPClient, Attachment
 from ringserve.engine.collector import RequestOutputCollector
 from ringserve.engine.dp_client import DPLBAsyncMPClient
+from ringserve.engine.elastic_dp import AsyncElasticDPMethods
 from ringserve.engine.errors import (
     RECOVERING_MESSAGE,
     EngineDeadError,
@@ -63,7 +68,7 @@ logger = logging.getLogger(__name__)
 _INLINE_TOKENIZE_CHARS = 2048
 
 
-class AsyncLLM(AsyncRLMethods):
+class AsyncLLM(AsyncRLMethods, AsyncElasticDPMethods):
     """An async engine for serving.
 
     Args:
@@ -118,10 +123,8 @@ class AsyncLLM(AsyncRLMethods):
             self.client = await AttachedMPClient.attach(self.config, attach.topology,
                                                         attach.client_index, attach.auth)
         else:
-            client_cls = (DPLBAsyncMPClient
-                          if self.config.parallel_config.data_parallel_size > 1
-                          else AsyncMPClient)
-            self.client = await client_cls.create(self.config, self._executor)
+            # Routing over the cores even for one: elastic scaling may add more.
+            self.client = await DPLBAsyncMPClient.create(self.config, self._executor)
         obs = self.config.observability_config
         if not obs.disable_log_stats:
             self.stat_loggers = StatLoggerManager(

@@ -166,6 +166,16 @@ class CoreSender:
         while queue:
             queue.popleft().finish(error)
 
+    def resize(self, num_engines: int, error: BaseException) -> None:
+        """Have queues for `num_engines` cores (elastic scaling): new cores get empty ones,
+        the queues of removed cores end with `error`."""
+        for engine in range(num_engines, len(self._queues)):
+            self.fail(engine, error)
+        del self._queues[num_engines:], self._ids[num_engines:]
+        for engine in range(len(self._queues), num_engines):
+            self._ids.append(f"core{engine}".encode())
+            self._queues.append(collections.deque())
+
     def close(self, error: BaseException) -> None:
         """End every queue with `error` and stop the pump (before the socket is closed)."""
         self._closed = True

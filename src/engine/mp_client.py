@@ -155,6 +155,9 @@ class CoreProcess(ChildProcess):
         topology: the scaled-out deployment's layout (`cluster_wire.ClusterTopology`).
     """
 
+    # Set when the core is stopped on purpose (elastic scale-down): its exit is no fault.
+    retiring = False
+
     def __init__(self, config: EngineConfig, engine_index: int, input_addr: str | list[str],
                  output_addr: str | list[str], executor: str = "default",
                  topology: Any = None) -> None:

@@ -213,13 +213,34 @@ class PrometheusStatLogger:
                     "mixture-of-experts layer (--enable-expert-load-metrics); layer: the "
                     "decoder layer index.", ("layer", "expert"))
         for engine in self.engine_indexes:
-            self.record_health(True, engine)
-            self.record_sleep_state(0, engine)
-            for reason in FinishReason:
-                self._child("request_success", engine, str(reason))
-            if moe is not None:
-                self._expert_series(engine)
+            self._start_series(engine)
         _LIVE.add(self.registry)
+
+    def _start_series(self, engine: int) -> None:
+        self.record_health(True, engine)
+        self.record_sleep_state(0, engine)
+        for reason in FinishReason:
+            self._child("request_success", engine, str(reason))
+        if self._num_experts:
+            self._expert_series(engine)
+
+    def add_engine(self, engine: int) -> None:
+        """Publish series for an engine that joined (elastic scale-up)."""
+        if engine not in self.engine_indexes:
+            self.engine_indexes.append(engine)
+            self._start_series(engine)
+
+    def remove_engine(self, engine: int) -> None:
+        """Drop the gauges of an engine that left (elastic scale-down); its counters and
+        histograms stay."""
+        if engine not in self.engine_indexes:
+            return
+        self.engine_indexes.remove(engine)
+        for name in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc",
+                     "engine_healthy"):
+            self._families[name].remove(self._model_name, str(engine))
+        for state in SLEEP_STATES:
+            self._families["engine_sleep_state"].remove(self._model_name, str(engine), state)
 
     # -- family construction -------------------------------------------------------------------
 

@@ -157,15 +157,32 @@ class StatLoggerManager:
                  custom_factories: list[StatLoggerFactory] | None = None,
                  enable_default_loggers: bool = True) -> None:
         indexes = engine_indexes if engine_indexes is not None else [0]
-        factories = [*load_entry_point_factories(), *(custom_factories or [])]
+        self._factories = [*load_entry_point_factories(), *(custom_factories or [])]
+        self._default_loggers = enable_default_loggers
         self.per_engine: dict[int, list[StatLogger]] = {}
         for index in indexes:
-            loggers: list[StatLogger] = []
-            if enable_default_loggers:
-                loggers.append(LoggingStatLogger(config, index))
-            loggers.extend(factory(config, index) for factory in factories)
-            self.per_engine[index] = loggers
+            self.per_engine[index] = self._loggers_of(config, index)
         self.prometheus = PrometheusStatLogger(config, indexes)
+
+    def _loggers_of(self, config: EngineConfig, index: int) -> list[StatLogger]:
+        loggers: list[StatLogger] = []
+        if self._default_loggers:
+            loggers.append(LoggingStatLogger(config, index))
+        loggers.extend(factory(config, index) for factory in self._factories)
+        return loggers
+
+    def add_engine(self, config: EngineConfig, index: int) -> None:
+        """An engine joined (elastic scale-up): its loggers, and its Prometheus series."""
+        self.per_engine[index] = loggers = self._loggers_of(config, index)
+        for stat_logger in loggers:
+            stat_logger.log_engine_initialized()
+        self.prometheus.add_engine(index)
+
+    def remove_engine(self, index: int) -> None:
+        """An engine left (elastic scale-down): its loggers go, and its gauges (its counters
+        and histograms stay: what it served was served)."""
+        self.per_engine.pop(index, None)
+        self.prometheus.remove_engine(index)
 
     def record(self, scheduler_stats: SchedulerStats | None,
                iteration_stats: IterationStats | None, engine_idx: int = 0) -> None:
