@@ -410,7 +410,7 @@ class AsyncMPClient:
 
     async def _watch_core(self, index: int, on_core_death: Callable[[int, str], None],
                           scope: trio.CancelScope) -> None:
-        while True:
+        while index < len(self.processes):  # else it left (elastic scale-down)
             proc = self.processes[index]
             try:
                 fd = os.pidfd_open(proc.pid)

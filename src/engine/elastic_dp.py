@@ -126,7 +126,8 @@ class AsyncElasticDPMethods:
             raise ElasticScaleError(
                 "elastic data parallelism needs the API server that owns the engine cores: "
                 "this one is part of a scaled-out deployment (--api-server-count > 1, "
-                "--headless or --data-parallel-size-local), whose cores its supervisor owns")
+                "--headless or --data-parallel-size-local), whose cores its supervisor owns; "
+                "start with --api-server-count 1 to scale elastically")
         client = self.client
         if client is None:
             raise EngineDeadError("the engine is not running (use `async with` or run())")
@@ -250,7 +251,9 @@ class AsyncElasticDPMethods:
         size = plan.new_size
         client.routable = size
         deadline = time.monotonic() + timeout
-        while client.owned_from(size):
+        leaving = set(range(size, plan.old_size))
+        # A leaving core being restarted (its process died) is waited for like a request.
+        while client.owned_from(size) or client.restarting & leaving:
             if client.dead is not None:
                 raise EngineDeadError(client.dead)
             if time.monotonic() >= deadline:
