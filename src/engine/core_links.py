@@ -45,6 +45,7 @@ logger = logging.getLogger(__name__)
 
 BROADCAST = -1
 _LOAD_REFRESH_S = 1.0
+_SEND_RETRY_MS = 50  # a full pipe to a frontend: look again (and whether it is gone) this often
 # "Up" once the ZMTP handshake is done: the frontend's ROUTER knows the routing id by then.
 _MONITORED = zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED
 
@@ -212,7 +213,7 @@ class ClientLinks:
                     now = time.monotonic()
                     for client, sent in enumerate(last_sent):
                         if self.up[client] and now - sent >= beat:
-                            socks[client].send_multipart(heartbeat, copy=False)
+                            self._send(client, socks[client], heartbeat)
                             last_sent[client] = now
                     wait = max(0.0, min(last_sent) + beat - now)
                 try:
@@ -234,7 +235,7 @@ class ClientLinks:
                 now = time.monotonic()
                 for client in (range(len(socks)) if target == BROADCAST else (target,)):
                     if self.up[client]:
-                        socks[client].send_multipart(frames, copy=False)
+                        self._send(client, socks[client], frames)
                         last_sent[client] = now
                 if coordinator is not None and isinstance(message, EngineCoreOutputs):
                     stats = message.scheduler_stats
@@ -253,6 +254,22 @@ class ClientLinks:
                 sock.close(linger=linger)
             if coordinator is not None:
                 coordinator.close(linger=0)
+
+    def _send(self, client: int, sock: zmq.Socket[Any], frames: list[Any]) -> None:
+        """Send to one frontend, waiting while its pipe is full; dropped once it is gone.
+
+        A PUSH whose peer went away blocks a send until the peer comes back, and the input
+        thread may see the link drop only after this thread has started such a send: a
+        blocking send there would stall this core's outputs to every frontend for good.
+        """
+        while True:
+            try:
+                sock.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
+                return
+            except zmq.Again:
+                if not self.up[client]:
+                    return  # gone: its requests are being aborted
+                sock.poll(_SEND_RETRY_MS, zmq.POLLOUT)
 
     def _hello(self, sock: zmq.Socket[Any], encoder: MsgpackEncoder) -> None:
         """A (re)connected frontend: the handshake (once the core is ready) and the fault
