@@ -98,6 +98,8 @@ LONG = {
         "test_moe_dispatch.py and test_dp_expert_parallel.py (EP over 4 and 2 ranks)",
     "tests/engine/test_moe_engine.py::test_quantized_experts_stay_close_to_float[int4]":
         "its [int8] case and test_moe_cpu_kernel.py's int4 tests",
+    "tests/http/test_scaleout_elastic.py":
+        "test_elastic_dp.py and test_http_elastic_dp.py (the same scale on one API server)",
 }
 
 

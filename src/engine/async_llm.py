@@ -136,6 +136,10 @@ class AsyncLLM(AsyncRLMethods, AsyncElasticDPMethods):
                 async with trio.open_nursery() as nursery:
                     self._nursery = nursery
                     nursery.start_soon(self._watch_cores, nursery.cancel_scope)
+                    if self.attach is not None and self.attach.topology.control_addr:
+                        from ringserve.engine.elastic_cluster import serve_agent
+
+                        nursery.start_soon(serve_agent, self)  # the supervisor scales
                     if self.stat_loggers is not None:
                         nursery.start_soon(self._log_stats_loop, self.stat_loggers,
                                            obs.log_stats_interval)

@@ -89,6 +89,9 @@ class AttachedMPClient(DPLBAsyncMPClient):
         self.last_seen = [time.monotonic()] * self.num_engines
         self.load_seq = -1
         self._on_core_death: Callable[[int, str], None] | None = None
+        # Handshakes of cores beyond num_engines (started by an elastic scale-up, not yet
+        # routed to), by index.
+        self.greetings: dict[int, HandshakeReply] = {}
         if topology.coordinator_publish:
             sock = self.ctx.socket(zmq.SUB)
             sock.setsockopt(zmq.LINGER, 0)
@@ -154,6 +157,9 @@ class AttachedMPClient(DPLBAsyncMPClient):
     def _unexpected_handshake(self, reply: HandshakeReply) -> None:
         # A core greets every frontend that (re)connects: a second greeting is expected.
         index = reply.engine_index
+        if index >= self.num_engines:
+            self.greetings[index] = reply  # a new core of an elastic scale-up
+            return
         if not (0 <= index < self.num_engines and reply.ready):
             return
         self.last_seen[index] = time.monotonic()
@@ -198,23 +204,41 @@ class AttachedMPClient(DPLBAsyncMPClient):
 
     def apply_load_report(self, report: LoadReport) -> None:
         """Take every core's queue lengths from a coordinator report (newer ones only)."""
-        if report.seq <= self.load_seq or len(report.loads) != self.num_engines:
+        if report.seq <= self.load_seq:
             return
         self.load_seq = report.seq
-        for engine, (waiting, running) in enumerate(report.loads):
+        # While an elastic scale settles, a report may cover more or fewer cores than this
+        # frontend routes to: the ones it has are taken.
+        for engine, (waiting, running) in enumerate(report.loads[:self.num_engines]):
             self._stats[engine] = [waiting, running]
             self._sent_since_stats[engine] = 0
+
+    # -- elastic scaling (`ringserve.engine.elastic_cluster`) -----------------------------------
+
+    def adopt(self, indexes: list[int]) -> None:
+        """Route to these new cores (indexes num_engines.., in order; each has greeted)."""
+        for index in indexes:
+            assert index == self.num_engines, "cores are added in index order"
+            self.pids.append(self.greetings.pop(index).pid)
+            self.last_seen.append(time.monotonic())
+            self._grow()
+
+    def _per_core(self) -> list[list[Any]]:
+        return [*super()._per_core(), self.pids, self.last_seen]
 
     # -- watching cores ------------------------------------------------------------------------
 
     async def _watch_core(self, index: int, on_core_death: Callable[[int, str], None],
                           scope: trio.CancelScope) -> None:
         remote = index in self.topology.remote_engines
-        while True:
+        while index < self.num_engines:  # else it left (elastic scale-down)
+            pid = self.pids[index]
             reason = await (self._link_lost(index) if remote else self._pid_exited(index))
             if self._closed:
                 scope.cancel()
                 return
+            if index >= self.num_engines or self.pids[index] != pid:
+                return  # it left; a later scale-up watches its successor itself
             if self.dead is None and not self._declared_dead(index):
                 fault = f"{reason}; waiting for it to rejoin"
                 logger.error("%s", fault)
@@ -230,15 +254,16 @@ class AttachedMPClient(DPLBAsyncMPClient):
             return
 
     async def _pid_exited(self, index: int) -> str:
+        pid = self.pids[index]
         try:
-            fd = os.pidfd_open(self.pids[index])
+            fd = os.pidfd_open(pid)
         except ProcessLookupError:
-            return f"engine core {index} (pid {self.pids[index]}) exited"
+            return f"engine core {index} (pid {pid}) exited"
         try:
             await trio.lowlevel.wait_readable(fd)
         finally:
             os.close(fd)
-        return f"engine core {index} (pid {self.pids[index]}) exited"
+        return f"engine core {index} (pid {pid}) exited"
 
     async def _link_lost(self, index: int) -> str:
         limit = self.topology.heartbeat_s * _LOST_AFTER_BEATS

@@ -148,14 +148,16 @@ def build_topology(config: EngineConfig, cluster: ClusterSettings,
                                            _tcp(host, _free_port(host))))
         else:
             frontends.append(FrontendAddrs(f"ipc://{run_dir}/fe{index}-in",
-                                           f"ipc://{run_dir}/fe{index}-out"))
+                                           f"ipc://{run_dir}/fe{index}-out",
+                                           f"ipc://{run_dir}/fe{index}-ctl"))
     coord_in = coord_pub = ""
     if size > 1:
         if remote:
             coord_in, coord_pub = _tcp(host, _free_port(host)), _tcp(host, _free_port(host))
         else:
             coord_in, coord_pub = f"ipc://{run_dir}/coord-in", f"ipc://{run_dir}/coord-pub"
-    return ClusterTopology(frontends, size, coord_in, coord_pub, remote)
+    control = "" if remote else f"ipc://{run_dir}/scale"
+    return ClusterTopology(frontends, size, coord_in, coord_pub, remote, control_addr=control)
 
 
 def tcp_addresses(topology: ClusterTopology) -> list[str]:
@@ -192,6 +194,7 @@ class EngineFleet:
         self.restarts = dict.fromkeys(self.ranks, 0)
         self._store: Any = None
         self._closed = False
+        self._nursery: trio.Nursery | None = None
 
     def serve_lockstep(self) -> None:
         """On the head of a lockstep deployment: serve the store the cores meet in (it
@@ -213,6 +216,7 @@ class EngineFleet:
             self.coordinator = self._start_coordinator()
         await trio.to_thread.run_sync(self._start_cores)
         async with trio.open_nursery() as nursery:
+            self._nursery = nursery
             if not self.cluster.headless and topology.remote_engines:
                 await nursery.start(self._serve_joins)
             for rank in self.ranks:
@@ -220,6 +224,41 @@ class EngineFleet:
             if self.coordinator is not None:
                 nursery.start_soon(self._keep_coordinator)
             task_status.started()
+
+    # -- elastic scaling (`ringserve.engine.elastic_cluster`) -----------------------------------
+
+    def start_cores(self, ranks: list[int], config: EngineConfig,
+                    topology: ClusterTopology) -> list[CoreProcess]:
+        """Start cores for new ranks (blocking); not kept running until `adopt`."""
+        addrs = topology.client_addrs
+        return [CoreProcess(config, rank, [a for a, _ in addrs], [b for _, b in addrs],
+                            self.executor, topology) for rank in ranks]
+
+    def adopt(self, procs: list[CoreProcess], config: EngineConfig,
+              topology: ClusterTopology) -> None:
+        """Keep these new cores running from now on; the deployment has the new size."""
+        self.config, self.topology = config, topology
+        for proc in procs:
+            rank = proc.engine_index
+            self.cores[rank] = proc
+            self.ranks.append(rank)
+            self.budgets[rank] = RestartBudget()
+            self.restarts[rank] = 0
+            assert self._nursery is not None  # run() is running
+            self._nursery.start_soon(self._keep_core, rank)
+
+    def release(self, ranks: list[int], config: EngineConfig,
+                topology: ClusterTopology) -> list[CoreProcess]:
+        """Stop keeping these cores (they leave: their exit is no fault); the caller stops
+        them. The deployment has the new size."""
+        self.config, self.topology = config, topology
+        gone = []
+        for rank in ranks:
+            proc = self.cores.pop(rank)
+            proc.retiring = True
+            gone.append(proc)
+            self.ranks.remove(rank)
+        return gone
 
     def _start_cores(self) -> None:
         for rank in self.ranks:
@@ -245,7 +284,7 @@ class EngineFleet:
         while True:
             proc = self.cores[rank]
             await self._wait_exit(proc)
-            if self._closed:
+            if self._closed or proc.retiring:
                 return
             reason = f"engine core {rank} {proc.describe_exit()}"
             proc.lifeline.cut()

@@ -18,10 +18,13 @@ STARTUP_FAILED_STATUS = 2
 
 
 class FrontendAddrs(msgspec.Struct, array_like=True):
-    """Where one frontend's sockets are bound: requests (ROUTER) and outputs (PULL)."""
+    """Where one frontend's sockets are bound: requests (ROUTER) and outputs (PULL), and the
+    REP its elastic-scaling agent answers the supervisor on ("": none, engines on other
+    hosts)."""
 
     input_addr: str
     output_addr: str
+    control_addr: str = ""
 
 
 class ClusterTopology(msgspec.Struct, array_like=True, omit_defaults=True):
@@ -34,6 +37,8 @@ class ClusterTopology(msgspec.Struct, array_like=True, omit_defaults=True):
         coordinator_publish: the coordinator's PUB address (frontends subscribe), or "".
         remote_engines: engine indexes on other hosts: watched by heartbeat, not by pid.
         heartbeat_s: how often a core on another host proves its link alive when idle.
+        control_addr: the supervisor's elastic-scaling service (frontends ask it to scale;
+            "": elastic scaling is not offered, engines on other hosts).
     """
 
     frontends: list[FrontendAddrs]
@@ -42,6 +47,7 @@ class ClusterTopology(msgspec.Struct, array_like=True, omit_defaults=True):
     coordinator_publish: str = ""
     remote_engines: list[int] = []
     heartbeat_s: float = 0.5
+    control_addr: str = ""
 
     @property
     def client_addrs(self) -> list[tuple[str, str]]:

@@ -38,6 +38,7 @@ from ringserve.lifeline import install_lifeline
 logger = logging.getLogger(__name__)
 
 _MIN_INTERVAL_S = 0.005
+_MAX_ENGINES = 512  # elastic_dp.MAX_DATA_PARALLEL_SIZE
 _REFRESH_S = 1.0
 
 
@@ -79,9 +80,12 @@ class Coordinator:
         except (msgspec.MsgspecError, ValueError, TypeError) as exc:
             logger.warning("coordinator: dropped a malformed load frame: %s", exc)
             return False
-        if not 0 <= load.engine_index < len(self.loads):
+        if not 0 <= load.engine_index < _MAX_ENGINES:
             logger.warning("coordinator: dropped a load of unknown engine %d", load.engine_index)
             return False
+        while load.engine_index >= len(self.loads):  # a core added by elastic scaling
+            self.loads.append([0, 0])
+            self.heard.append(0.0)
         self.heard[load.engine_index] = time.monotonic()
         new = [load.waiting, load.running]
         if self.loads[load.engine_index] == new:

@@ -16,6 +16,7 @@ the per-core lists only grow or shrink at their ends.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Any
 
 import trio
 
@@ -123,29 +124,30 @@ class DPLBAsyncMPClient(AsyncMPClient):
 
     async def stop_pending(self, processes: list[CoreProcess]) -> None:
         """Stop these cores (prepared, or removed by `remove_cores`) off the event loop."""
+        await stop_cores(processes)
         for proc in processes:
-            proc.retiring = True
-            proc.signal_stop()
-        for proc in processes:
-            await trio.to_thread.run_sync(proc.terminate)
             if proc in self.pending:
                 self.pending.remove(proc)
 
     def add_cores(self, processes: list[CoreProcess]) -> None:
         """Route to these ready cores (indexes num_engines.., in order) from now on."""
         for proc in processes:
-            index = self.num_engines
-            assert proc.engine_index == index, "cores are added in index order"
+            assert proc.engine_index == self.num_engines, "cores are added in index order"
             self.processes.append(proc)
-            self.fault_states.append(EngineFaultState(index))
-            self._restart_budgets.append(RestartBudget())
-            self.restarts.append(0)
-            self._stats.append([0, 0])
-            self._sent_since_stats.append(0)
-            self.num_engines += 1
-            self._sender.resize(self.num_engines, EngineRecoveringError("unreachable"))
-            self.watch_core(index)
+            self._grow()
+
+    def _grow(self) -> None:
+        """One more core (index num_engines), routed to and watched from now on."""
+        index = self.num_engines
+        self.fault_states.append(EngineFaultState(index))
+        self._restart_budgets.append(RestartBudget())
+        self.restarts.append(0)
+        self._stats.append([0, 0])
+        self._sent_since_stats.append(0)
+        self.num_engines += 1
+        self._sender.resize(self.num_engines, EngineRecoveringError("unreachable"))
         self.routable = self.num_engines
+        self.watch_core(index)
 
     def remove_cores(self, count: int) -> list[CoreProcess]:
         """Forget cores `count`.. (drained: they own no request); returns their processes,
@@ -163,14 +165,18 @@ class DPLBAsyncMPClient(AsyncMPClient):
                 event.set()
         for rid in [rid for rid, engine in self._owner.items() if engine >= count]:
             del self._owner[rid]
-        for per_core in (self.processes, self.fault_states, self._restart_budgets,
-                         self.restarts, self._stats, self._sent_since_stats):
+        for per_core in self._per_core():
             del per_core[count:]
         self._sender.resize(count, error)
         self.restarting -= set(range(count, self.num_engines))
         self.num_engines = count
         self.routable = min(self.routable, count)
         return gone
+
+    def _per_core(self) -> list[list[Any]]:
+        """The lists indexed by core (shrunk at their ends by a scale-down)."""
+        return [self.processes, self.fault_states, self._restart_budgets, self.restarts,
+                self._stats, self._sent_since_stats]
 
     def shutdown(self) -> None:
         for proc in self.pending:
@@ -179,6 +185,16 @@ class DPLBAsyncMPClient(AsyncMPClient):
         for proc in self.pending:
             proc.terminate()
         self.pending = []
+
+
+async def stop_cores(processes: list[CoreProcess]) -> None:
+    """Stop cores on purpose (all signalled at once, then waited for, off the event loop);
+    marked retiring, their exit is no fault."""
+    for proc in processes:
+        proc.retiring = True
+        proc.signal_stop()
+    for proc in processes:
+        await trio.to_thread.run_sync(proc.terminate)
 
 
 async def _ready(proc: CoreProcess, event: trio.Event, replies: list[HandshakeReply]) -> None:

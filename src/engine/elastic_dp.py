@@ -16,12 +16,15 @@ A prepare that fails (a new core exits, reports an error or is not ready within
 `cancel_elastic_dp()` drops a prepared scale. `scale_elastic_dp(n)` does both phases (the
 `POST /scale_elastic_dp` route).
 
+In a scaled-out deployment (several API servers on one host) the supervisor owns the cores:
+an API server runs each phase through it, and it switches every API server at the commit
+(`ringserve.engine.elastic_cluster`).
+
 Only what a new core would not have is refused, each with its reason (`ElasticScaleError`, a
 400): expert parallelism (the cores step in lockstep over a fixed group), weights from a
 trainer (the world size the trainer joined would change, and a new core would load the
 checkpoint's weights, not the trainer's), cores asleep or paused, a core that is not healthy,
-and a frontend of a scaled-out deployment (`--api-server-count` > 1, `--headless`, `-dpl`:
-its cores belong to the supervisor).
+and engine cores on other hosts (`--headless`, `-dpl`).
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ from typing import Any
 
 import trio
 
+from ringserve import envs
 from ringserve.config import EngineConfig
 from ringserve.engine.dp_client import DPLBAsyncMPClient
 from ringserve.engine.errors import EngineDeadError, EngineStartupError
@@ -41,6 +45,7 @@ from ringserve.engine.mp_client import CoreProcess
 
 DEFAULT_DRAIN_TIMEOUT_S = 120.0  # vLLM's default for /scale_elastic_ep
 MAX_DATA_PARALLEL_SIZE = 512
+_SUPERVISOR_SLACK_S = 30.0  # beyond a phase's own timeout, for the supervisor to answer
 
 
 class ElasticScaleError(ValueError):
@@ -122,12 +127,10 @@ class AsyncElasticDPMethods:
         return int(self.config.parallel_config.data_parallel_size)
 
     def _elastic_client(self) -> DPLBAsyncMPClient:
-        if self.attach is not None:
+        if self.attach is not None and not self.attach.topology.control_addr:
             raise ElasticScaleError(
-                "elastic data parallelism needs the API server that owns the engine cores: "
-                "this one is part of a scaled-out deployment (--api-server-count > 1, "
-                "--headless or --data-parallel-size-local), whose cores its supervisor owns; "
-                "start with --api-server-count 1 to scale elastically")
+                "elastic data parallelism is not supported with engine cores on other hosts "
+                "(--headless, --data-parallel-size-local below --data-parallel-size)")
         client = self.client
         if client is None:
             raise EngineDeadError("the engine is not running (use `async with` or run())")
@@ -182,7 +185,10 @@ class AsyncElasticDPMethods:
             old = client.num_engines
             config = resized(self.config, size)
             started: list[CoreProcess] = []
-            if size > old:
+            if self.attach is not None:
+                await self._ask_supervisor(client, "prepare", size,
+                                           envs.engine_ready_timeout_s())
+            elif size > old:
                 try:
                     started = await client.start_cores(config, range(old, size))
                 except EngineStartupError as exc:
@@ -192,13 +198,34 @@ class AsyncElasticDPMethods:
         finally:
             self._scaling = False
 
+    async def _ask_supervisor(self, client: Any, phase: str, size: int = 0,
+                              timeout: float = 0.0) -> None:
+        """Run a phase on the supervisor of a scaled-out deployment (`elastic_cluster`).
+
+        Raises:
+            the error the supervisor's answer stands for.
+        """
+        from ringserve.engine.elastic_cluster import ScaleCall, call_supervisor
+
+        answer = await call_supervisor(client, ScaleCall(phase, size, timeout),
+                                       timeout + _SUPERVISOR_SLACK_S)
+        errors: dict[str, type[Exception]] = {
+            "refused": ElasticScaleError, "busy": ScaleInProgressError,
+            "timeout": DrainTimeoutError, "failed": ScaleFailedError}
+        if answer.kind:
+            raise errors.get(answer.kind, ScaleFailedError)(answer.error)
+
     async def cancel_elastic_dp(self) -> None:
         """Drop the prepared scale: stop the cores it started (none is routed to)."""
         plan, self._scale_plan = self._scale_plan, None
-        if plan is not None and plan.started:
-            client = self.client
-            if isinstance(client, DPLBAsyncMPClient):
-                await client.stop_pending(plan.started)
+        client = self.client
+        if plan is None or not isinstance(client, DPLBAsyncMPClient):
+            return
+        if self.attach is not None:
+            with trio.CancelScope(shield=True):
+                await self._ask_supervisor(client, "cancel", timeout=10.0)
+        elif plan.started:
+            await client.stop_pending(plan.started)
 
     async def commit_elastic_dp(self, drain_timeout: float = DEFAULT_DRAIN_TIMEOUT_S) -> None:
         """Switch to the prepared size (see the module docstring). Whatever happens, the
@@ -221,7 +248,11 @@ class AsyncElasticDPMethods:
         self._scaling = True
         try:
             client = self._elastic_client()
-            if plan.new_size > plan.old_size:
+            if self.attach is not None:
+                # The supervisor has each API server (this one too) switch, then answers.
+                await self._ask_supervisor(client, "commit", plan.new_size, timeout)
+                self._scale_plan = None  # used up: nothing to cancel
+            elif plan.new_size > plan.old_size:
                 self._commit_up(client, plan)
             elif plan.new_size < plan.old_size:
                 await self._commit_down(client, plan, timeout)
@@ -232,6 +263,20 @@ class AsyncElasticDPMethods:
             self._scale_plan = None
             self._scaling = False
 
+    def elastic_resized(self, size: int) -> None:
+        """The cores are now `size` (a commit): the configuration and the stat loggers
+        follow (a core restarted later starts at the new size)."""
+        old = self.data_parallel_size
+        config = resized(self.config, size)
+        self.config = config
+        if self.client is not None:
+            self.client.config = config
+        if self.stat_loggers is not None:
+            for index in range(old, size):
+                self.stat_loggers.add_engine(config, index)
+            for index in range(size, old):
+                self.stat_loggers.remove_engine(index)
+
     def _commit_up(self, client: DPLBAsyncMPClient, plan: ScalePlan) -> None:
         for proc in plan.started:
             if proc.exited.is_set():
@@ -239,12 +284,8 @@ class AsyncElasticDPMethods:
                     f"engine core {proc.engine_index} {proc.describe_exit()} after it was "
                     f"prepared; the deployment stays at {plan.old_size} engine core(s)")
         client.pending = []
-        client.config = plan.config  # a core restarted later starts at the new size
         client.add_cores(plan.started)
-        self.config = plan.config
-        if self.stat_loggers is not None:
-            for index in range(plan.old_size, plan.new_size):
-                self.stat_loggers.add_engine(plan.config, index)
+        self.elastic_resized(plan.new_size)
 
     async def _commit_down(self, client: DPLBAsyncMPClient, plan: ScalePlan,
                            timeout: float) -> None:
@@ -266,11 +307,7 @@ class AsyncElasticDPMethods:
             # An admin call, not a hot loop: the output handler finishes the requests.
             await trio.sleep(0.01)
         gone = client.remove_cores(size)
-        client.config = plan.config
-        self.config = plan.config
-        if self.stat_loggers is not None:
-            for index in range(size, plan.old_size):
-                self.stat_loggers.remove_engine(index)
+        self.elastic_resized(size)
         await client.stop_pending(gone)
 
     async def scale_elastic_dp(self, new_data_parallel_size: int,

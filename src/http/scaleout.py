@@ -156,6 +156,10 @@ class Deployment:
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(self._watch_signals, nursery)
                 await nursery.start(self._run_fleet, nursery.cancel_scope)
+                if self.topology.control_addr and not self.cluster.headless:
+                    from ringserve.engine.elastic_cluster import ScaleService
+
+                    await nursery.start(ScaleService(self.fleet, self._resized).run)
                 if not self.cluster.headless:
                     for index in range(len(self.topology.frontends)):
                         self.frontends.append(self._frontend(index))
@@ -175,6 +179,12 @@ class Deployment:
         if self.engine_error is not None:
             raise self.engine_error
         logger.info("stopped")
+
+    def _resized(self, config: EngineConfig, topology: ClusterTopology) -> None:
+        """An elastic scale was committed: an API server started from now on expects the
+        new number of cores."""
+        self.config, self.topology = config, topology
+        self._init = msgspec.msgpack.encode(FrontendInit(config, self.settings, topology))
 
     def _frontend(self, index: int) -> ChildProcess:
         assert self.sock is not None

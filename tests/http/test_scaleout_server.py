@@ -76,6 +76,15 @@ async def _stream_text(client: httpx.AsyncClient, body: dict[str, Any]) -> tuple
     return "".join(text), events, finish
 
 
+async def _expected_texts(client: httpx.AsyncClient) -> dict[str, str]:
+    """The greedy 8-token text of each prompt (non-streamed)."""
+    expected = {}
+    for prompt in PROMPTS:
+        response = await client.post("/v1/completions", json=_body(prompt, 8, False))
+        expected[prompt] = response.json()["choices"][0]["text"]
+    return expected
+
+
 def _metric(text: str, name: str) -> float:
     return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
                if line.startswith(name) and not line.startswith("#"))
@@ -104,10 +113,7 @@ async def test_200_streams_over_two_frontends_and_two_engines(shared: LiveServer
     assert len(kinds["core"]) == 2 and len(kinds["coordinator"]) == 1
     limits = httpx.Limits(max_connections=256, max_keepalive_connections=256)
     async with httpx.AsyncClient(base_url=live.url, timeout=120, limits=limits) as client:
-        expected = {}
-        for prompt in PROMPTS:
-            response = await client.post("/v1/completions", json=_body(prompt, 8, False))
-            expected[prompt] = response.json()["choices"][0]["text"]
+        expected = await _expected_texts(client)
         results: list[tuple[str, str, int, str]] = []
 
         async def one(i: int) -> None:

@@ -236,6 +236,8 @@ class PrometheusStatLogger:
         if engine not in self.engine_indexes:
             return
         self.engine_indexes.remove(engine)
+        if "PROMETHEUS_MULTIPROC_DIR" in os.environ:
+            return  # series live in files there; prometheus_client cannot remove them
         for name in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc",
                      "engine_healthy"):
             self._families[name].remove(self._model_name, str(engine))
