@@ -7,7 +7,7 @@ give the in-process runner's greedy tokens; a placement the cluster has no room 
 with a message that says so and leaves no placement group; and node B lost mid-step (every
 process of its session SIGKILLed: raylet, agents, the actor it ran) fails the pending step with
 `WorkerDiedError` within seconds and `check_health` raises: what the fault-tolerance path
-consumes. A bad placement strategy is a ValueError before Ray is touched (and, without Ray
+consumes; node B started again, the retry's new executor gives the same greedy tokens. A bad placement strategy is a ValueError before Ray is touched (and, without Ray
 nodes, a fast test of the variable alone); a private Ray used earlier in the same process does
 not lock it out of the cluster (its token auth is undone on release).
 
@@ -108,6 +108,7 @@ class Cluster:
     head: Node
     worker: Node
     base: Path
+    nodes: list[Node]  # every node started (teardown stops them all)
 
 
 def _short_dir(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, bool]:
@@ -159,7 +160,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
         # The address the head advertises (its node IP, as `ray start --head` prints it).
         address = (base / "a" / "ray_current_cluster").read_text().strip()
         nodes.append(_ray_start("b", base / "b", "--address", address))
-        yield Cluster(address, nodes[0], nodes[1], base)
+        yield Cluster(address, nodes[0], nodes[1], base, nodes)
     finally:
         for node in nodes:
             node.kill(signal.SIGTERM)
@@ -319,8 +320,11 @@ def test_no_room_is_a_clear_error_and_leaves_no_placement_group(
 
 
 @pytest.mark.slow
-def test_node_lost_mid_step_is_a_worker_death(joined: Cluster, tiny_llama_dir: Path) -> None:
-    """Runs last: it loses node B (the cluster fixture checks what is left at teardown)."""
+def test_node_lost_mid_step_is_a_worker_death(joined: Cluster, tiny_llama_dir: Path,
+                                              reference: dict[str, list[int]]) -> None:
+    """Runs last: it loses node B, then a new node joins and the retry (what the core's
+    `rebuild_executor` does: the old executor shut down, a new one built) serves the same
+    greedy tokens again (the cluster fixture checks what is left at teardown)."""
     ex = RayExecutor(_config(tiny_llama_dir, tp=2))
     try:
         ex.initialize_kv_cache(ex.determine_num_blocks())
@@ -349,3 +353,13 @@ def test_node_lost_mid_step_is_a_worker_death(joined: Cluster, tiny_llama_dir: P
         ex.shutdown()
     assert joined.worker.wait_gone(within=5.0)
     assert joined.head.processes()  # the head is untouched
+    # The node comes back (`ray start --address` again, which returns once its raylet has
+    # registered): the retry places the ranks on both nodes again.
+    joined.nodes.append(_ray_start("b", joined.base / "c", "--address", joined.address))
+    retried = RayExecutor(_config(tiny_llama_dir, tp=2))
+    try:
+        assert sorted(_node_names()[node] for node in retried.worker_node_ids) == ["a", "b"]
+        retried.initialize_kv_cache(retried.determine_num_blocks())
+        assert _greedy(ExecutorRunner(retried)) == reference
+    finally:
+        retried.shutdown()
