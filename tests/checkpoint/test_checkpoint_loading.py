@@ -70,11 +70,18 @@ def _run(model_dir: Path, prompt: list[int]) -> tuple[list[int], float]:
 
 
 @pytest.mark.slow
-def test_bf16_sharded_loads_like_transformers(bf16_sharded: Path, tiny_llama_dir: Path) -> None:
+def test_bf16_sharded_loads_like_transformers(bf16_sharded: Path, tiny_llama_dir: Path,
+                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    from ringserve.checkpoint import model_dir
+
     assert (bf16_sharded / "model.safetensors.index.json").is_file()
     assert len(list(bf16_sharded.glob("*.safetensors"))) > 1
     config = ModelConfig.from_model_dir(str(bf16_sharded))
-    assert config.dtype == "float32"  # auto on a CPU without native bf16: float32 compute
+    # auto: bfloat16 compute on a CPU with native bf16 (AVX512-BF16, AMX), else float32.
+    assert config.dtype == ("bfloat16" if model_dir.cpu_has_native_bf16() else "float32")
+    # The rest is the float32 path (what transformers' upcast is compared with), on any CPU.
+    monkeypatch.setattr(model_dir, "cpu_has_native_bf16", lambda: False)
+    assert ModelConfig.from_model_dir(str(bf16_sharded)).dtype == "float32"
     prompt = torch.randint(3, 8000, (12,), generator=torch.Generator().manual_seed(1)).tolist()
     expected, _ = _greedy_hf(bf16_sharded, prompt)  # transformers upcasts the same weights
     tokens, logprob = _run(bf16_sharded, prompt)
