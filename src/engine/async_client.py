@@ -14,7 +14,8 @@ restarted is moot). A core's death is seen at once through a pidfd.
 Each core's fault-tolerance state (`fault_tolerance.EngineFaultState`) follows the
 `FaultStatus` messages it publishes: an UNHEALTHY core is not dead (the client stays up and
 new requests fail fast with `EngineRecoveringError`); a DEAD one makes the whole client dead.
-A core process that exits is restarted when fault tolerance is on (`watch_cores`): its
+A core process that exits is restarted when fault tolerance is on (`watch_cores`, in the
+base `core_watch.CoreWatch`): its
 requests fail at once, it is UNHEALTHY until the new process's handshake arrives on the
 output socket (told apart from outputs by its tag), and the new process takes over the old
 one's routing id (ROUTER_HANDOVER). With fault tolerance off, when the restart fails, or when
@@ -26,9 +27,7 @@ from __future__ import annotations
 
 import itertools
 import logging
-import os
 import shutil
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -39,6 +38,7 @@ import zmq
 from ringserve import envs
 from ringserve.config import EngineConfig
 from ringserve.engine.core_sender import CoreSender, Queued, socket_events, socket_fd
+from ringserve.engine.core_watch import CoreWatch
 from ringserve.engine.errors import (
     RECOVERING_MESSAGE,
     EngineDeadError,
@@ -54,17 +54,15 @@ from ringserve.engine.wire import (
     EngineCoreOutputs,
     EngineCoreRequest,
     EngineStatus,
-    FaultStatus,
     HandshakeReply,
     UtilityCall,
 )
 from ringserve.serial import MsgpackDecoder
-from ringserve.shm import cleanup_stale
 
 logger = logging.getLogger(__name__)
 
 
-class AsyncMPClient:
+class AsyncMPClient(CoreWatch):
     """A trio client of one or more engine-core processes.
 
     Create with `await AsyncMPClient.create(config)`; call `shutdown()` when done.
@@ -224,11 +222,6 @@ class AsyncMPClient:
         self.mark_dead(f"cannot reach engine core {engine}: {exc}")
         return EngineDeadError(self.dead or str(exc))
 
-    @property
-    def _restarts_cores(self) -> bool:
-        """Fault tolerance is on: a core whose process dies is restarted."""
-        return self.config.fault_tolerance_config.enable_fault_tolerance
-
     async def send(self, engine: int, message: Any) -> None:
         """Send, waiting (parked, never polling) while the core's pipe is full.
 
@@ -380,128 +373,6 @@ class AsyncMPClient:
             self.mark_dead(f"engine core {outputs.engine_index} is dead: "
                            f"{status.ft_error or status.fault_info}")
 
-    async def watch_cores(self, on_core_death: Callable[[int, str], None]) -> None:
-        """Watch the core processes; return once the engine is dead (marked dead).
-
-        A core process that exits while the client is open is a fault. With fault tolerance
-        on, and unless the core had declared itself DEAD first (an `abort`, or no instruction
-        within the recovery timeout), the core is restarted: it is marked UNHEALTHY,
-        `on_core_death(index, reason)` fails its requests, its pending utility calls fail, a
-        new process starts on the same sockets and, after its handshake, the core is HEALTHY
-        again. Otherwise, when the restart fails, or when the core already used up its
-        restarts (`fault_tolerance.RestartBudget`), the engine is dead.
-
-        Args:
-            on_core_death: called at once with the core's index and what happened to it.
-        """
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(self._sender.run)  # queued aborts go out once there is room
-            self._watching = (nursery, on_core_death)
-            for index in range(self.num_engines):
-                self.watch_core(index)
-        self._watching = None
-
-    def watch_core(self, index: int) -> None:
-        """Start watching core `index`'s process (a core added by elastic scaling; the
-        others are watched from `watch_cores`' start)."""
-        if self._watching is not None:
-            nursery, on_core_death = self._watching
-            nursery.start_soon(self._watch_core, index, on_core_death, nursery.cancel_scope)
-
-    async def _watch_core(self, index: int, on_core_death: Callable[[int, str], None],
-                          scope: trio.CancelScope) -> None:
-        while index < len(self.processes):  # else it left (elastic scale-down)
-            proc = self.processes[index]
-            try:
-                fd = os.pidfd_open(proc.pid)
-            except ProcessLookupError:
-                pass  # it died and was reaped before this task started watching
-            else:
-                try:
-                    await trio.lowlevel.wait_readable(fd)
-                finally:
-                    os.close(fd)
-            # Acted on at once: the status is read without waiting for the reaping thread.
-            if proc.retiring:
-                return  # stopped on purpose: it left the deployment (elastic scale-down)
-            if self._closed:
-                scope.cancel()
-                return
-            reason = f"engine core {index} {proc.describe_exit()}"
-            _remove_dead_segments()
-            if self.dead is None and self._restarts_cores and not self._declared_dead(index):
-                crash_loop = self._restart_budgets[index].spend()
-                if crash_loop is None:
-                    logger.error("%s: restarting it", reason)
-                    fault = f"{reason}; it is being restarted"
-                    self._core_lost(index, fault)
-                    on_core_death(index, fault)
-                    failure = await self._restart_core(index)
-                    _remove_dead_segments()  # the old core's workers have exited by now
-                    if failure is None:
-                        continue
-                    reason = f"{reason}; its restart failed: {failure}"
-                else:
-                    reason = f"{reason}; not restarted: {crash_loop}"
-            self.mark_dead(reason)
-            on_core_death(index, reason)
-            scope.cancel()
-            return
-
-    def _declared_dead(self, index: int) -> bool:
-        return self.fault_states[index].status == str(EngineStatus.DEAD)
-
-    def _core_lost(self, index: int, fault: str) -> None:
-        """Mark a core UNHEALTHY while it restarts and fail its pending utility calls."""
-        self.restarting.add(index)
-        if self._store is not None:  # the other cores of the lockstep cannot step alone
-            from ringserve.engine import dp_wave
-
-            dp_wave.announce_fault(self._store, dp_wave.current_epoch(self._store), fault)
-        state = self.fault_states[index]
-        state.status = str(EngineStatus.UNHEALTHY)
-        state.fault_info = fault
-        state.ft_error = None
-        self._sender.fail(index, EngineRecoveringError(f"{RECOVERING_MESSAGE} ({fault})"))
-        for event, results in self._calls.values():
-            if not any(engine == index for engine, _failure, _value in results):
-                results.append((index, fault, None))
-                event.set()
-
-    async def _restart_core(self, index: int) -> str | None:
-        """Start a new process for core `index`; None once it is ready, else why not."""
-        old = self.processes[index]
-        old.lifeline.cut()
-        event, replies = trio.Event(), list[HandshakeReply]()
-        self._handshakes[index] = (event, replies)
-        started = time.monotonic()
-        try:
-            proc = await trio.to_thread.run_sync(
-                lambda: CoreProcess(self.config, index, self.input_addr, self.output_addr,
-                                    self._executor))
-            self.processes[index] = proc
-            with trio.move_on_after(envs.engine_ready_timeout_s()):
-                await await_handshake(proc, event)
-        except OSError as exc:
-            return f"cannot start a process: {exc}"
-        finally:
-            self._handshakes.pop(index, None)
-        if not replies:
-            if proc.exited.is_set():
-                return f"the new core {proc.describe_exit()} before it was ready"
-            proc.terminate()
-            return (f"the new core was not ready within {envs.engine_ready_timeout_s():.0f} s "
-                    "(RINGSERVE_ENGINE_READY_TIMEOUT_S)")
-        reply = replies[0]
-        if not reply.ready:
-            proc.terminate()
-            return reply.error
-        self.restarts[index] += 1
-        self.restarting.discard(index)
-        self.fault_states[index].update(FaultStatus(EngineStatus.HEALTHY))
-        logger.warning("engine core %d restarted in %.1f s", index, time.monotonic() - started)
-        return None
-
     def mark_dead(self, reason: str) -> None:
         """Record that the engine is dead; every later call raises EngineDeadError."""
         if self.dead is None:
@@ -529,22 +400,3 @@ class AsyncMPClient:
         if self._dir is not None:
             shutil.rmtree(self._dir, ignore_errors=True)
         self._store = None  # stops serving
-
-
-async def await_handshake(proc: CoreProcess, event: trio.Event) -> None:
-    """Return once `event` is set (the core's handshake arrived) or the process has exited."""
-    async with trio.open_nursery() as nursery:
-        async def exited() -> None:
-            await trio.to_thread.run_sync(proc.exited.wait, abandon_on_cancel=True)
-            nursery.cancel_scope.cancel()
-        nursery.start_soon(exited)
-        await event.wait()
-        nursery.cancel_scope.cancel()
-
-
-def _remove_dead_segments() -> None:
-    """Unlink the ring segments of processes that died before both ends attached (a core
-    or worker killed while starting; attached segments are unlinked already)."""
-    removed = cleanup_stale()
-    if removed:
-        logger.info("removed %d shared-memory segment(s) of dead processes", len(removed))

@@ -22,7 +22,8 @@ import trio
 
 from ringserve import envs
 from ringserve.config import EngineConfig
-from ringserve.engine.async_client import AsyncMPClient, await_handshake
+from ringserve.engine.async_client import AsyncMPClient
+from ringserve.engine.core_watch import await_handshake
 from ringserve.engine.errors import EngineRecoveringError, EngineStartupError
 from ringserve.engine.fault_tolerance import EngineFaultState, RestartBudget
 from ringserve.engine.mp_client import CoreProcess
