@@ -7,18 +7,20 @@ In one process: an `LLM` on the shape (`--load-format dummy`, the default attent
 and the captured decode step) started with `--weight-transfer-config {"backend": B}`, and a
 trainer (`ringserve.weight_transfer.TrainerWeightTransferEngine`, the `LLM` as its sync
 client) whose source holds the shape's HF-named float32 tensors (random values). Every round
-is timed by phase through a wrapper of the client: start (the metadata check and the staging
-model), update (every bucket: the trainer copies it into the transport, each worker reads it
-in place and copies it into the staging model), finish (the pack into the kernels' layout, the
-swap between steps, the decode capture again). "update GB/s" is the bytes over the update
+is timed by phase through a wrapper of the client: start (the metadata check, done once per
+distinct list; the standby model is built at the first round only), update (every bucket: the trainer copies it into the transport, each worker reads it
+in place and packs it into its standby model's panels, TP rank 0 also into the snapshot),
+finish (the swap between steps, the decode capture again). "update GB/s" is the bytes over the update
 phase alone, the transport; "round GB/s" over the whole round. The baseline is a `copy_` of
 every source tensor into a preallocated one (the same bytes, one read and one write), median
 of 5, at the same thread count. The cycle is `pause("keep")` -> one round -> `resume()` with
-four requests in flight that continue afterwards (their KV is recomputed), target: under the
-memcpy time + 100 ms.
+four requests in flight (each decoding: past its prefill, so the pause waits for one decode
+step) that continue afterwards (their KV is recomputed), target: under the
+memcpy time + 100 ms; a line per shape and backend says where its time went (the pause, which
+returns once the step in flight has ended, the round's phases, the resume).
 
     .venv/bin/python scripts/bench_weight_sync.py [--shapes 135m,500m] [--backends shm,gloo]
-        [--rounds 3] [--threads 2] [--no-snapshot]
+        [--rounds 3] [--threads 2] [--no-snapshot] [--bucket-bytes N]
 """
 
 from __future__ import annotations
@@ -137,9 +139,12 @@ def bench(shape: str, backend: str, ns: argparse.Namespace, root: Path,
     from ringserve.weight_transfer import StateDictSource, TrainerWeightTransferEngine
 
     nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
-    config = {"backend": backend, "snapshot": ns.snapshot}
+    config: dict[str, Any] = {"backend": backend, "snapshot": ns.snapshot}
+    if ns.bucket_bytes:
+        config["bucket_bytes"] = ns.bucket_bytes
     rounds: list[dict[str, float]] = []
     cycles: list[float] = []
+    cycle_parts: list[dict[str, float]] = []  # where each cycle's time went
     with LLM(str(shape_dir(root, shape)), device="cpu", load_format="dummy",
              weight_transfer_config=config, kv_cache_memory=64 << 20, max_model_len=512,
              max_num_seqs=8) as llm:
@@ -155,15 +160,24 @@ def bench(shape: str, backend: str, ns: argparse.Namespace, root: Path,
             params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
             engine = llm.llm_engine
             for i in range(ns.rounds):
-                for j in range(4):
-                    engine.add_request(f"c{i}-{j}", {"prompt_token_ids": [5 + j] * 32}, params)
-                for _ in range(3):
-                    engine.step()  # the requests hold KV now
+                ids = {f"c{i}-{j}" for j in range(4)}
+                for j, rid in enumerate(sorted(ids)):
+                    engine.add_request(rid, {"prompt_token_ids": [5 + j] * 32}, params)
+                decoding: set[str] = set()
+                while decoding != ids:  # every request holds KV and decodes: no prefill
+                    for output in engine.step():  # in flight when the pause comes
+                        if len(output.outputs[0].token_ids) >= 2:
+                            decoding.add(output.request_id)
+                client.phases = {}
                 start = time.perf_counter()
                 llm.pause("keep")
+                paused = time.perf_counter()
                 trainer.send_weights(f"c{i}")
+                sent = time.perf_counter()
                 llm.resume()
                 cycles.append(time.perf_counter() - start)
+                cycle_parts.append({"pause": paused - start, "round": sent - paused,
+                                    "resume": start + cycles[-1] - sent, **client.phases})
                 while engine.has_unfinished_requests():
                     engine.step()
     update = [r["update"] for r in rounds]
@@ -172,6 +186,8 @@ def bench(shape: str, backend: str, ns: argparse.Namespace, root: Path,
         "shape": shape, "backend": backend, "bytes": nbytes, "tensors": len(tensors),
         "round_s": total, "start_s": [r["start"] for r in rounds], "update_s": update,
         "finish_s": [r["finish"] for r in rounds], "cycle_s": cycles, "memcpy_s": copy_s,
+        "cycle_parts_s": {k: [c[k] for c in cycle_parts]
+                          for k in ("pause", "round", "start", "update", "finish", "resume")},
         "update_vs_memcpy": statistics.median(copy_s / u for u in update),
         "round_vs_memcpy": statistics.median(copy_s / t for t in total),
     }
@@ -190,6 +206,14 @@ def report(r: dict[str, Any]) -> list[str]:
     ]
 
 
+def cycle_report(r: dict[str, Any]) -> str:
+    """Where the cycle's time went (median ms): the pause (a step in flight ends first), the
+    round and its phases, the resume."""
+    parts = r["cycle_parts_s"]
+    return (f"{r['shape']} {r['backend']} cycle: " + ", ".join(
+        f"{k} {statistics.median(v) * 1e3:.1f}" for k, v in parts.items()) + " ms (medians)")
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -200,6 +224,8 @@ def main() -> int:
     p.add_argument("--snapshot", action=argparse.BooleanOptionalAction, default=True,
                    help="the engine's on-disk snapshot of each round (weight transfer config "
                    "`snapshot`; default on, as the engine's)")
+    p.add_argument("--bucket-bytes", type=int, default=0,
+                   help="the weight transfer config's bucket_bytes (default: the config's)")
     p.add_argument("--json", type=Path, default=None, help="also write the results here")
     ns = p.parse_args()
     torch.set_num_threads(ns.threads)
@@ -222,6 +248,8 @@ def main() -> int:
     print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for result in results:
         print("\n".join(report(result)))
+    for result in results:
+        print(cycle_report(result))
     print(f"load average at the end: {os.getloadavg()}")
     if ns.json is not None:
         ns.json.write_text(json.dumps(results, indent=1))

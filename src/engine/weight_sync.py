@@ -4,8 +4,9 @@ A mixin of `EngineCore` (its state lives there): the utility methods
 `init_weight_transfer_engine`, `start_weight_update`, `update_weights`, `finish_weight_update`
 (vLLM's four phases, driven by `ringserve.weight_transfer.TrainerWeightTransferEngine` through
 `LLM`, `AsyncLLM` or the HTTP routes) and `collective_rpc`. Each phase runs on every worker
-between steps (`ringserve.gpu.weight_update`); the workers load into a staging model, so the
-serving weights change only in `finish_weight_update`, all at once, between two steps. Then:
+between steps (`ringserve.gpu.weight_update`); the workers load into a standby copy of the
+model (swapped in) or a staging copy (repacked), never into the serving weights, so those
+change only in `finish_weight_update`, all at once, between two steps. Then:
 
 - the steps in flight are drained first (their outputs go out with the old version);
 - every request that holds KV is preempted and recomputes it from its tokens (KV computed with

@@ -25,6 +25,8 @@ panels that the kernels read packed (`quantized_linear`); its float weight is dr
 
 from __future__ import annotations
 
+import ctypes
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -139,7 +141,9 @@ class ColumnParallelLinear(nn.Module):
         """Pack the loaded weight for this device's fastest GEMM, or quantize it (see the
         module docstring).
 
-        Call once, after every shard is loaded; `load` cannot run afterwards.
+        Call once, after every shard is loaded. Afterwards `load` writes float32 panels in
+        place (a weight update's standby model, `loads_in_place`); a oneDNN or quantized
+        layer cannot be loaded again.
 
         Raises:
             ValueError: the shard's shape or device does not suit the quantization method.
@@ -164,9 +168,15 @@ class ColumnParallelLinear(nn.Module):
             raise ValueError(f"checkpoint has a bias for a layer built without one ({name})")
         size = self.local_sizes[shard_id]
         full = size * self.shard_ranks[shard_id]
-        check_shape(loaded, (full, self.weight.shape[1]) if name == "weight" else (full,))
+        check_shape(loaded, (full, _weight_shape(self)[1]) if name == "weight" else (full,))
         src = loaded.narrow(0, self._shard_index(shard_id) * size, size)
+        if name == "weight" and _loads_into_panel(self):
+            assert self.panel is not None
+            panel_native.pack_rows(_library(), src, self.panel.data, self.offsets[shard_id])
+            return
         param.data.narrow(0, self.offsets[shard_id], size).copy_(src)
+        if name == "bias":
+            _sync_folded_bias(self)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """This rank's slice of the output features."""
@@ -207,16 +217,22 @@ class RowParallelLinear(nn.Module):
     def load(self, name: str, loaded: torch.Tensor, shard_id: int = 0) -> None:
         """Copy this rank's columns of the weight (or the whole bias)."""
         del shard_id
-        out_features = self.weight.shape[0]
+        out_features = _weight_shape(self)[0]
         if name == "bias":
             if self.bias is None:
                 raise ValueError("checkpoint has a bias for a row-parallel layer built without one")
             check_shape(loaded, (out_features,))
             self.bias.data.copy_(loaded)
+            _sync_folded_bias(self)
             return
         check_shape(loaded, (out_features, self.local_in * self.tp.world_size))
         start = self.tp.rank * self.local_in
-        self.weight.data.copy_(loaded.narrow(1, start, self.local_in))
+        shard = loaded.narrow(1, start, self.local_in)
+        if _loads_into_panel(self):
+            assert self.panel is not None
+            panel_native.pack_rows(_library(), shard, self.panel.data, 0)
+            return
+        self.weight.data.copy_(shard)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """The full output, summed over the ranks."""
@@ -224,6 +240,53 @@ class RowParallelLinear(nn.Module):
         y = self.tp.all_reduce(partial)
         folded = self.panel is not None and self.panel.bias is not None
         return y if self.bias is None or folded else y + self.bias
+
+
+def loads_in_place(layer: ColumnParallelLinear | RowParallelLinear) -> bool:
+    """Whether `load` can run again after `process_weights_after_loading` and leave the layer
+    serving the new weight (a weight update loading a standby model): float32 panels (written
+    straight into by `load`) or a plain weight; not a oneDNN copy or quantized panels, which
+    are derived from a plain weight the layer no longer keeps."""
+    if layer.panel is not None:
+        return layer.panel.format == "f32"
+    return layer.packed is None
+
+
+def _loads_into_panel(layer: ColumnParallelLinear | RowParallelLinear) -> bool:
+    """A processed layer whose float32 panels are the only copy of its weight."""
+    panel = layer.panel
+    return panel is not None and panel.format == "f32" and layer.weight.numel() == 0
+
+
+def _weight_shape(layer: ColumnParallelLinear | RowParallelLinear) -> tuple[int, int]:
+    """(out, in) of this rank's weight, from the panels once they hold the only copy.
+
+    Raises:
+        ValueError: the weight was repacked (oneDNN) or quantized and cannot be loaded again.
+    """
+    panel = layer.panel
+    if panel is not None and _loads_into_panel(layer):
+        return panel.out_features, panel.in_features
+    if layer.weight.dim() != 2:
+        raise ValueError("the layer's weight was repacked after loading and cannot be loaded "
+                         "again")
+    return int(layer.weight.shape[0]), int(layer.weight.shape[1])
+
+
+def _library() -> ctypes.CDLL:
+    library = panel_native.load_library()
+    if library is None:  # panels are only made once the library has loaded
+        raise RuntimeError("float32 panels without the CPU matmul library")
+    return library
+
+
+def _sync_folded_bias(layer: ColumnParallelLinear | RowParallelLinear) -> None:
+    """A processed layer's folded bias follows a newly loaded bias (it usually shares its
+    storage; a converted copy does not)."""
+    panel, bias = layer.panel, layer.bias
+    if panel is not None and panel.bias is not None and bias is not None and (
+            panel.bias.data_ptr() != bias.data_ptr()):
+        panel.bias.copy_(bias.detach().float())
 
 
 def check_shape(loaded: torch.Tensor, expected: tuple[int, ...]) -> None:
@@ -279,7 +342,8 @@ def refresh_panel(panel: PanelWeight, weight: torch.Tensor, bias: torch.Tensor |
 def refresh_layer(layer: ColumnParallelLinear | RowParallelLinear,
                   loaded: ColumnParallelLinear | RowParallelLinear) -> None:
     """New weights for `layer` in place, from `loaded`: the same layer of a model whose
-    weights were just loaded and not processed (`ringserve.gpu.weight_update`)."""
+    weights were just loaded and not processed (a weight update's staging copy,
+    `ringserve.gpu.standby_model`)."""
     if loaded.bias is not None and layer.bias is not None:
         layer.bias.data.copy_(loaded.bias.data)
     if layer.panel is not None:

@@ -129,6 +129,16 @@ class ModelRunner:
         self._model = load_model(config, tp=self.tp, device=self.device, backend=self.backend)
         self._attach_expert_load()  # a reload keeps counting into the same tensors
 
+    def swap_model(self, model: LlamaForCausalLM) -> LlamaForCausalLM:
+        """Serve `model` from the next step on (a weight update's standby copy, loaded and
+        processed); returns the model it replaces. The decode step is captured again over
+        the new weights (its tables point at them)."""
+        old = self.model
+        self._model = model
+        self._attach_expert_load()
+        self.capture_decode()
+        return old
+
     def initialize_kv_cache(self, num_blocks: int) -> None:
         """Allocate `num_blocks` KV blocks per layer (layout: `ringserve.gpu.kv_cache`), and
         capture the decode step over them (`capture_decode`)."""

@@ -53,4 +53,15 @@ void rs_panels(const rs_weight *w, const float *x, int64_t m, int64_t ldx, float
 void rs_linear_team(const rs_weight *w, const float *x, int64_t m, int64_t ldx, float *y,
                     int64_t ldy);
 
+/* One pack into panels (panel_pack.c): rows row0 .. row0 + m - 1 of a float32 [n, k] weight
+ * from src (row stride ld) into their lanes of panels [P][k][16]. */
+typedef struct {
+    const float *src;
+    int64_t m, k, ld;
+    float *panels;
+    int64_t row0;
+} rs_pack_job;
+
+int rs_pack_f32_batch(const rs_pack_job *jobs, int64_t count, int nthreads);
+
 #endif

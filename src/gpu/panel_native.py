@@ -14,11 +14,13 @@ layers then keep torch's matmuls.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import logging
 import subprocess
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -29,7 +31,8 @@ from ringserve.gpu import native_build
 logger = logging.getLogger(__name__)
 
 _DIR = Path(__file__).parent
-SOURCES = (_DIR / "panel_f32.c", _DIR / "panel_quant.c", _DIR / "decode_step.c",
+SOURCES = (_DIR / "panel_f32.c", _DIR / "panel_pack.c", _DIR / "panel_quant.c",
+           _DIR / "decode_step.c",
            _DIR / "attention" / "cpu_decode.c", _DIR / "moe" / "moe_cpu.c")
 HEADERS = (_DIR / "panel.h", _DIR / "fast_exp.h", _DIR / "attention" / "cpu_decode.h",
            _DIR / "moe" / "moe_cpu.h")
@@ -112,12 +115,19 @@ def to_panels(matrix: torch.Tensor, out: torch.Tensor | None = None) -> torch.Te
     `out` (a [P, k, 16] tensor of the dtype, e.g. a layer's panels: new weights in place)
     when given.
 
-    One strided copy of the full panels (the pack of a weight update or a load reads the
-    weight once), plus the zero-padded last panel when n is not a multiple of 16."""
+    float32 with the library loaded: one pass of the C pack (`panel_pack.c`, about the speed
+    of a copy); otherwise a strided torch copy of the full panels plus the zero-padded last
+    panel."""
     n, k = matrix.shape
     full = n // PANEL
     if out is None:
         out = torch.empty(num_panels(n), k, PANEL, dtype=matrix.dtype)
+    library = _loaded[0] if _loaded else None
+    if library is not None and _packable(matrix, out):
+        pack_rows(library, matrix, out, 0)
+        if n % PANEL:
+            out[full, :, n % PANEL:].zero_()
+        return out
     if full:
         out[:full].copy_(matrix[: full * PANEL].view(full, PANEL, k).transpose(1, 2))
     if n % PANEL:
@@ -125,6 +135,106 @@ def to_panels(matrix: torch.Tensor, out: torch.Tensor | None = None) -> torch.Te
         tail[: n % PANEL] = matrix[full * PANEL:]
         out[full].copy_(tail.t())
     return out
+
+
+def _packable(matrix: torch.Tensor, panels: torch.Tensor) -> bool:
+    return (matrix.dtype == torch.float32 and panels.dtype == torch.float32
+            and matrix.device.type == "cpu" and panels.device.type == "cpu"
+            and panels.is_contiguous() and (matrix.shape[1] <= 1 or matrix.stride(1) == 1))
+
+
+def pack_rows(library: ctypes.CDLL, rows: torch.Tensor, panels: torch.Tensor,
+              row0: int) -> None:
+    """Write `rows` [m, k] as rows `row0` .. `row0 + m - 1` of the weight whose panels
+    [P, k, 16] are `panels` (a weight update's tensor or a fused shard, straight into a
+    layer's panels); every other row is left as it is. `rows` may be a strided view (a TP
+    shard's columns) and of any float dtype (converted first).
+
+    Raises:
+        ValueError: the shapes do not fit.
+    """
+    m, k = rows.shape
+    if (panels.dim() != 3 or panels.shape[1:] != (k, PANEL) or row0 < 0
+            or (m and num_panels(row0 + m) > panels.shape[0])
+            or panels.dtype != torch.float32 or not panels.is_contiguous()
+            or panels.device.type != "cpu"):
+        raise ValueError(f"pack_rows: rows {list(rows.shape)} at row {row0} into panels "
+                         f"{panels.dtype} {list(panels.shape)}")
+    if not _packable(rows, panels):
+        rows = rows.to(torch.float32).contiguous()
+    if not m or not k:
+        return
+    ld = rows.stride(0) if m > 1 else k
+    batch: PackBatch | None = getattr(_batching, "batch", None)
+    if batch is not None:
+        batch.add(rows, panels, row0, ld)
+        return
+    if library.rs_pack_f32_rows(rows.data_ptr(), m, k, ld, panels.data_ptr(), row0,
+                                torch.get_num_threads()):
+        raise MemoryError("pack_rows: the panel index could not be allocated")
+
+
+class _RsPackJob(ctypes.Structure):
+    """`rs_pack_job` of panel.h."""
+
+    _fields_ = [("src", ctypes.c_void_p), ("m", ctypes.c_int64), ("k", ctypes.c_int64),
+                ("ld", ctypes.c_int64), ("panels", ctypes.c_void_p), ("row0", ctypes.c_int64)]
+
+
+_batching = threading.local()
+
+
+class PackBatch:
+    """The `pack_rows` calls of one thread, held until `flush` runs them all in one parallel
+    region (`rs_pack_f32_batch`): a weight update packs a bucket's ~100 tensors with one
+    barrier instead of one per tensor, which on cores shared with the trainer's copy is the
+    difference between a thread descheduled once and once per tensor. Made by
+    `batched_packs`; the sources and panels stay referenced until flushed."""
+
+    def __init__(self, library: ctypes.CDLL) -> None:
+        self._library = library
+        self._jobs: list[tuple[torch.Tensor, torch.Tensor, int, int]] = []
+
+    def add(self, rows: torch.Tensor, panels: torch.Tensor, row0: int, ld: int) -> None:
+        """Queue one pack (checked and converted by `pack_rows`)."""
+        self._jobs.append((rows, panels, row0, ld))
+
+    def flush(self) -> None:
+        """Run every queued pack; the panels hold the rows afterwards.
+
+        Raises:
+            MemoryError: the panel index could not be allocated (nothing was packed).
+        """
+        jobs, self._jobs = self._jobs, []
+        if not jobs:
+            return
+        array = (_RsPackJob * len(jobs))(*[
+            _RsPackJob(rows.data_ptr(), rows.shape[0], rows.shape[1], ld, panels.data_ptr(),
+                       row0) for rows, panels, row0, ld in jobs])
+        if self._library.rs_pack_f32_batch(array, len(jobs), torch.get_num_threads()):
+            raise MemoryError("pack_rows: the panel index could not be allocated")
+
+    def discard(self) -> None:
+        """Drop the queued packs (an abandoned round)."""
+        self._jobs = []
+
+
+@contextlib.contextmanager
+def batched_packs(library: ctypes.CDLL | None) -> Iterator[PackBatch | None]:
+    """While open, `pack_rows` on this thread queues into the batch it yields (None: no
+    library, nothing to batch); the caller flushes it before it reads the panels or lets the
+    sources go. Queued packs left at exit are dropped."""
+    if library is None:
+        yield None
+        return
+    batch = PackBatch(library)
+    previous = getattr(_batching, "batch", None)
+    _batching.batch = batch
+    try:
+        yield batch
+    finally:
+        _batching.batch = previous
+        batch.discard()
 
 
 def pack_f32(weight: torch.Tensor, bias: torch.Tensor | None = None) -> PanelWeight:
@@ -186,6 +296,10 @@ def _load() -> ctypes.CDLL | None:
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     library.rs_linear.argtypes = [ptr, ptr, i64, ptr, ctypes.c_int]
     library.rs_linear.restype = ctypes.c_int
+    library.rs_pack_f32_rows.argtypes = [ptr, i64, i64, i64, ptr, i64, ctypes.c_int]
+    library.rs_pack_f32_rows.restype = ctypes.c_int
+    library.rs_pack_f32_batch.argtypes = [ptr, i64, ctypes.c_int]
+    library.rs_pack_f32_batch.restype = ctypes.c_int
     _declare_step(library)
     _declare_moe(library)
     return library

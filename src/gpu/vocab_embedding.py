@@ -9,6 +9,8 @@ code; the loader calls `load` with the full checkpoint matrix. At world size 1 b
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -43,13 +45,19 @@ class VocabParallelEmbedding(nn.Module):
         self.weight = nn.Parameter(
             torch.zeros(self.rows_per_rank, embedding_dim, dtype=dtype), requires_grad=False
         )
+        self.embedding_dim = embedding_dim
+        # Called after each `load` once the weights are processed: a tied LM head repacks its
+        # panels from the new rows (a weight update loading a processed model).
+        self.on_load: Callable[[], None] | None = None
 
     def load(self, name: str, loaded: torch.Tensor, shard_id: int = 0) -> None:
         """Copy this rank's vocabulary rows from the full checkpoint matrix."""
         del name, shard_id
-        check_shape(loaded, (self.num_embeddings, self.weight.shape[1]))
+        check_shape(loaded, (self.num_embeddings, self.embedding_dim))
         rows = self.vocab_end - self.vocab_start
         self.weight.data[:rows].copy_(loaded.narrow(0, self.vocab_start, rows))
+        if self.on_load is not None:
+            self.on_load()
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Embeddings of `input_ids` [T] -> [T, hidden]."""
@@ -95,6 +103,40 @@ class ParallelLMHead(VocabParallelEmbedding):
                                            requires_grad=False)
             return
         self.packed, self.weight = repack(self.weight, keep_weight=keep_weight)
+
+    def load(self, name: str, loaded: torch.Tensor, shard_id: int = 0) -> None:
+        """Copy this rank's vocabulary rows; once processed into float32 panels without a
+        plain copy (an untied head), straight into the panels."""
+        panel = self.panel
+        if panel is None or panel.format != "f32" or self.weight.numel():
+            super().load(name, loaded, shard_id)
+            return
+        library = panel_native.load_library()
+        if library is None:  # panels are only made once the library has loaded
+            raise RuntimeError("float32 panels without the CPU matmul library")
+        check_shape(loaded, (self.num_embeddings, self.embedding_dim))
+        rows = self.vocab_end - self.vocab_start
+        panel_native.pack_rows(library, loaded.narrow(0, self.vocab_start, rows), panel.data, 0)
+
+    def loads_in_place(self) -> bool:
+        """Whether `load` after processing leaves the head serving the new weight (see
+        `ringserve.gpu.linear.loads_in_place`): float32 panels or a plain weight. A tied
+        head's panels are repacked by the embedding's `on_load` (`tie_panels`)."""
+        if self.panel is not None:
+            return self.panel.format == "f32"
+        return self.packed is None
+
+    def tie_panels(self, embedding: VocabParallelEmbedding) -> None:
+        """Keep the float32 panels of a head tied to `embedding` in step with its rows when
+        it is loaded again (after processing)."""
+        panel = self.panel
+        if panel is None or panel.format != "f32":
+            return
+
+        def repack() -> None:
+            panel_native.to_panels(self.weight.data, out=panel.data)
+
+        embedding.on_load = repack
 
     def refresh_from(self, loaded: ParallelLMHead) -> None:
         """New weights in place from the same head of a just-loaded, unprocessed model (a

@@ -171,7 +171,8 @@ class Worker:
         if self._updater is None:
             runner = self.runner
             self._updater = WeightUpdater(self.config, self.tp, self.device, runner.backend,
-                                          lambda: self.runner.model, runner.capture_decode)
+                                          lambda: self.runner.model, runner.swap_model,
+                                          runner.capture_decode)
         return self._updater
 
     def init_weight_transfer_engine(self, init_info: dict[str, Any], worker_index: int,

@@ -13,7 +13,9 @@ the trainer fills the next bucket while the previous ``update_weights`` runs on 
 thread; one when the whole round fits in a bucket; plus, when a tensor is larger than
 ``bucket_bytes``, one segment of the largest such tensor's size, in which each oversized
 tensor travels alone. The segment pages are reserved up front (``posix_fallocate``), so a
-``/dev/shm`` too small for them fails at ``trainer_init`` rather than with SIGBUS mid-copy.
+``/dev/shm`` too small for them fails at ``trainer_init`` rather than with SIGBUS mid-copy, and
+mapped up front on both sides (``MADV_POPULATE_*``), so the first round copies at the speed of
+the later ones.
 
 Reuse is safe because a segment is refilled only after the ``update_weights`` call that read
 it has returned, and the engine returns only once every worker has loaded (copied) the bucket.
@@ -53,6 +55,20 @@ from ringserve.weight_transfer.source import TensorMeta
 UpdateCall = Callable[[dict[str, Any]], Any]
 
 
+# madvise(2) advice that maps every page of a range at once (Linux 5.14+); Python 3.11's mmap
+# module does not name them.
+_MADV_POPULATE_READ = 22
+_MADV_POPULATE_WRITE = 23
+
+
+def _prefault(segment: Segment, write: bool) -> None:
+    """Map every page of `segment` into this process now, so that the first round does not
+    take a page fault per 4 KiB (a first copy into fresh mappings ran at ~0.6 GB/s, against
+    ~14 GB/s once mapped). Best effort: an older kernel just faults on first use."""
+    with contextlib.suppress(OSError, ValueError):
+        segment.mapping.madvise(_MADV_POPULATE_WRITE if write else _MADV_POPULATE_READ)
+
+
 def _create_segment(label: str, size: int) -> Segment:
     segment = Segment.create(label, size)
     try:
@@ -66,6 +82,7 @@ def _create_segment(label: str, size: int) -> Segment:
         raise WeightTransportError(f"cannot reserve {size} bytes in {SHM_DIR} for a weight "
                                    f"bucket ({exc}); lower bucket_bytes or enlarge {SHM_DIR}"
                                    ) from None
+    _prefault(segment, write=True)
     return segment
 
 
@@ -202,6 +219,7 @@ class ShmReceiver:
             segment.close()
             raise ValueError(f"init_info for the shm backend: segment {name!r} is "
                              f"{segment.size} bytes, not a weight bucket")
+        _prefault(segment, write=False)
         return segment
 
     def receive(self, update_info: dict[str, Any]) -> Iterator[tuple[str, torch.Tensor]]:

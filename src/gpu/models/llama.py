@@ -267,6 +267,8 @@ class LlamaForCausalLM(nn.Module):
             if isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
                 module.process_weights_after_loading()
         self.lm_head.process_weights_after_loading(keep_weight=self.spec.tie_word_embeddings)
+        if self.spec.tie_word_embeddings:
+            self.lm_head.tie_panels(self.model.embed_tokens)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load checkpoint tensors one at a time, sharded for this rank.
@@ -276,6 +278,7 @@ class LlamaForCausalLM(nn.Module):
                 shard of one) is missing from the checkpoint.
         """
         expected = self._expected_shards()
+        modules = dict(self.named_modules())  # one walk, not one per tensor (weight updates)
         loaded: set[tuple[str, int]] = set()
         for name, tensor in weights:
             if "rotary_emb" in name or (self.spec.tie_word_embeddings and name == "lm_head.weight"):
@@ -286,7 +289,7 @@ class LlamaForCausalLM(nn.Module):
             target = f"{owner}.{fused}" if owner else fused
             if (f"{target}.{param}", shard) not in expected:
                 raise ValueError(f"checkpoint tensor {name!r} matches no parameter of {type(self).__name__}")
-            self.get_submodule(target).load(param, tensor, shard)  # type: ignore[operator]
+            modules[target].load(param, tensor, shard)
             loaded.add((f"{target}.{param}", shard))
         missing = sorted(f"{n}[{s}]" for n, s in expected - loaded)
         if missing:
@@ -294,8 +297,9 @@ class LlamaForCausalLM(nn.Module):
 
     def _expected_shards(self) -> set[tuple[str, int]]:
         expected: set[tuple[str, int]] = set()
+        modules = dict(self.named_modules())
         for name, _ in self.named_parameters():
-            module = self.get_submodule(name.rpartition(".")[0])
+            module = modules[name.rpartition(".")[0]]
             shards = len(module.local_sizes) if isinstance(module, ColumnParallelLinear) else 1
             expected.update((name, s) for s in range(shards))
         return expected
