@@ -111,6 +111,11 @@ async def test_wait_returns_once_in_flight_requests_finish(long_model_dir: Path)
         streams = await _start(llm, nursery, 4, short)
         with trio.fail_after(30):
             await llm.pause("wait")
+        assert not llm.output_processor.has_unfinished_requests()  # finished in the engine
+        # Their consumers take the last outputs at their next turn (a race the test had).
+        with trio.fail_after(5):
+            while not all(s.finish for s in streams):
+                await trio.sleep(0.005)
         assert all(s.finish == "length" and s.tokens == 2000 for s in streams)
         late = _Stream()
         nursery.start_soon(late.run, llm, "late", SamplingParams(max_tokens=3, ignore_eos=True))
