@@ -89,9 +89,12 @@ class ClusterSettings:
         return size if self.data_parallel_size_local is None else self.data_parallel_size_local
 
     def scaled_out(self, config: EngineConfig) -> bool:
-        """True when the deployment needs the scaled-out supervisor."""
-        return (self.headless or self.frontends(config) > 1
-                or self.local_engines(config) < config.parallel_config.data_parallel_size)
+        """True when the deployment needs the scaled-out supervisor: more than one API server
+        or engine core (the DP coordinator is a process then, as in vLLM), or engines on
+        other hosts."""
+        size = config.parallel_config.data_parallel_size
+        return (self.headless or self.frontends(config) > 1 or size > 1
+                or self.local_engines(config) < size)
 
     def check(self, config: EngineConfig) -> None:
         """Refuse inconsistent flags, naming them.

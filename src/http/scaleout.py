@@ -1,8 +1,8 @@
 """`ringserve serve` scaled out: N API servers, a DP coordinator, engines on several hosts.
 
 `serve_scaled_out` is what `ringserve serve` runs instead of `server.serve` when
-`ClusterSettings.scaled_out` (more than one API server, engines on other hosts, or
-`--headless`). This process becomes the supervisor of the deployment's tree, under one trio
+`ClusterSettings.scaled_out` (more than one API server or engine core, engines on other
+hosts, or `--headless`). This process becomes the supervisor of the deployment's tree, under one trio
 nursery:
 
 * it binds the listening socket first (so "address already in use" is one line before any

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import trio
@@ -142,3 +143,16 @@ async def test_cores_abort_a_gone_frontends_requests(
                           await first.call_utility("get_stats")) != 0:
                     await trio.sleep(0.05)
             nursery.cancel_scope.cancel()
+
+
+def test_which_deployments_scale_out(long_model_dir: Path) -> None:
+    """More than one API server or engine core runs the supervisor (with a coordinator
+    process for DP > 1, as vLLM), as do engines on other hosts; one of each is one process."""
+    def config(dp: int) -> Any:
+        return EngineArgs(model=str(long_model_dir), device="cpu", max_model_len=512,
+                          data_parallel_size=dp).create_engine_config()
+
+    assert not ClusterSettings().scaled_out(config(1))
+    assert ClusterSettings(api_server_count=2).scaled_out(config(1))
+    assert ClusterSettings(api_server_count=1).scaled_out(config(2))
+    assert ClusterSettings(headless=True).scaled_out(config(1))
