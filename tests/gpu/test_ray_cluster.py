@@ -248,7 +248,7 @@ def test_a_private_ray_before_does_not_lock_this_process_out_of_the_cluster(
     import msgspec
     import ray
 
-    from ringserve.gpu.executor.ray_executor import _RaySession
+    from ringserve.gpu.executor.ray_session import RaySession
     from ringserve.gpu.executor.ray_worker import RayWorker
 
     private = cluster.base / "p"
@@ -256,8 +256,8 @@ def test_a_private_ray_before_does_not_lock_this_process_out_of_the_cluster(
     monkeypatch.setenv("RINGSERVE_RAY_TMPDIR", str(private))
     auth = ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN")
     before = {name: os.environ.get(name) for name in auth}
-    _RaySession.acquire()
-    _RaySession.release()
+    RaySession.acquire()
+    RaySession.release()
     assert {name: os.environ.get(name) for name in auth} == before
     deadline = time.monotonic() + 5.0
     while _out_of(private) and time.monotonic() < deadline:
