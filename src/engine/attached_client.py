@@ -14,7 +14,7 @@ Cores are watched, not owned:
   it; this client fails the core's requests, marks it UNHEALTHY and waits, up to
   `RINGSERVE_ENGINE_READY_TIMEOUT_S`, for the new process's handshake;
 * a core on another host (`topology.remote_engines`) by its link: it sends an empty batch
-  every `heartbeat_s` when idle, and silence for `_LOST_AFTER_BEATS` beats is a lost core.
+  every `heartbeat_s` when idle, and silence for `LOST_AFTER_BEATS` beats is a lost core.
   Its requests fail, it is reported UNHEALTHY, and this client waits as long as it takes for
   the headless host to restart it (the other cores keep serving meanwhile).
 
@@ -46,8 +46,6 @@ from ringserve.engine.wire import EngineCoreOutputs, EngineStatus, FaultStatus, 
 
 logger = logging.getLogger(__name__)
 
-# A remote core silent for this many heartbeats is lost.
-_LOST_AFTER_BEATS = 6
 _POLL_MS = 100
 
 @dataclass(frozen=True)
@@ -167,12 +165,17 @@ class AttachedMPClient(DPLBAsyncMPClient):
         if (reply.pid != old and index in self.topology.remote_engines
                 and index not in self.restarting and self._on_core_death is not None):
             # A new process took the rank over before its predecessor's silence was long
-            # enough to call it lost: the predecessor's requests are gone with it.
-            fault = f"engine core {index} was replaced (pid {old} -> {reply.pid})"
+            # enough to call it lost (its host's supervisor waits that long before the new
+            # one greets; another start of the host need not): the predecessor's requests
+            # and utility calls are gone with it, and the successor serves at once.
+            fault = f"engine core {index} on another host was replaced (pid {old} -> {reply.pid})"
             logger.error("%s", fault)
+            self._core_lost(index, fault)
             self._on_core_death(index, fault)
             self.pids[index] = reply.pid
             self.restarts[index] += 1
+            self.restarting.discard(index)
+            self.fault_states[index].update(FaultStatus(EngineStatus.HEALTHY))
 
     def record_stats(self, outputs: EngineCoreOutputs) -> None:
         if 0 <= outputs.engine_index < self.num_engines:
@@ -231,13 +234,15 @@ class AttachedMPClient(DPLBAsyncMPClient):
     async def _watch_core(self, index: int, on_core_death: Callable[[int, str], None],
                           scope: trio.CancelScope) -> None:
         remote = index in self.topology.remote_engines
+        # Each core's fault state is made when it joins: another one at this index is a
+        # successor of an elastic scale-down and up, watched by its own task.
+        state = self.fault_states[index]
         while index < self.num_engines:  # else it left (elastic scale-down)
-            pid = self.pids[index]
             reason = await (self._link_lost(index) if remote else self._pid_exited(index))
             if self._closed:
                 scope.cancel()
                 return
-            if index >= self.num_engines or self.pids[index] != pid:
+            if index >= self.num_engines or self.fault_states[index] is not state:
                 return  # it left; a later scale-up watches its successor itself
             if self.dead is None and not self._declared_dead(index):
                 fault = f"{reason}; waiting for it to rejoin"
@@ -266,7 +271,7 @@ class AttachedMPClient(DPLBAsyncMPClient):
         return f"engine core {index} (pid {pid}) exited"
 
     async def _link_lost(self, index: int) -> str:
-        limit = self.topology.heartbeat_s * _LOST_AFTER_BEATS
+        limit = self.topology.lost_after_s
         while True:
             silent = time.monotonic() - self.last_seen[index]
             if silent > limit:

@@ -267,10 +267,10 @@ class EngineFleet:
         for rank in self.ranks:
             self.cores[rank] = self._core(rank)
 
-    def _core(self, rank: int) -> CoreProcess:
+    def _core(self, rank: int, greet_not_before: float | None = None) -> CoreProcess:
         addrs = self.topology.client_addrs
         return CoreProcess(self.config, rank, [a for a, _ in addrs], [b for _, b in addrs],
-                           self.executor, self.topology)
+                           self.executor, self.topology, greet_not_before)
 
     def _start_coordinator(self) -> ChildProcess:
         topology = self.topology
@@ -304,7 +304,14 @@ class EngineFleet:
             if crash_loop is not None:
                 raise EngineDeadError(f"{reason}; not restarted: {crash_loop}")
             logger.error("%s: restarting it", reason)
-            self.cores[rank] = await trio.to_thread.run_sync(lambda: self._core(rank))
+            greet = None
+            if rank in self.topology.remote_engines:
+                # The frontends watch this core by its link: the successor greets only once
+                # they have certainly called its predecessor lost by its silence (and failed
+                # its requests), so a fast restart is never taken for the same process.
+                beat = self.topology.heartbeat_s
+                greet = time.monotonic() + self.topology.lost_after_s + 3 * beat
+            self.cores[rank] = await trio.to_thread.run_sync(self._core, rank, greet)
             self.restarts[rank] += 1
 
     async def _keep_coordinator(self) -> None:

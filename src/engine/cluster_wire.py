@@ -27,6 +27,10 @@ class FrontendAddrs(msgspec.Struct, array_like=True):
     control_addr: str = ""
 
 
+# A core on another host silent for this many heartbeats is lost.
+LOST_AFTER_BEATS = 6
+
+
 class ClusterTopology(msgspec.Struct, array_like=True, omit_defaults=True):
     """The layout every process of a scaled-out deployment shares.
 
@@ -48,6 +52,12 @@ class ClusterTopology(msgspec.Struct, array_like=True, omit_defaults=True):
     remote_engines: list[int] = []
     heartbeat_s: float = 0.5
     control_addr: str = ""
+
+    @property
+    def lost_after_s(self) -> float:
+        """How long a core on another host may be silent before a frontend calls it lost
+        (`LOST_AFTER_BEATS` heartbeats)."""
+        return self.heartbeat_s * LOST_AFTER_BEATS
 
     @property
     def client_addrs(self) -> list[tuple[str, str]]:

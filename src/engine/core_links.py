@@ -207,9 +207,11 @@ class ClientLinks:
         try:
             while True:
                 wait = None
-                if beat is not None:
+                if beat is not None and self.handshake is not None:
                     # Every frontend hears from this core at least every `beat`, also one
                     # whose requests are elsewhere while the others keep the queue busy.
+                    # Not before the handshake: a restarted core's beats would otherwise
+                    # keep its dead predecessor looking alive (same engine index).
                     now = time.monotonic()
                     for client, sent in enumerate(last_sent):
                         if self.up[client] and now - sent >= beat:

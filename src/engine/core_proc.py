@@ -32,6 +32,7 @@ import queue
 import signal
 import sys
 import threading
+import time
 import traceback
 from collections.abc import Callable
 from typing import Any
@@ -167,12 +168,14 @@ class EngineCoreProc:
                  output_addr: str | list[str], executor_class: type[Executor] | None = None,
                  on_output_failure: Callable[[], None] | None = None, *,
                  topology: ClusterTopology | None = None,
-                 secure: Callable[[zmq.Socket[Any]], None] | None = None) -> None:
+                 secure: Callable[[zmq.Socket[Any]], None] | None = None,
+                 greet_not_before: float | None = None) -> None:
         if config.parallel_config.lockstep:  # the workers' EP ranks follow from it
             config = dataclasses.replace(config, parallel_config=dataclasses.replace(
                 config.parallel_config, data_parallel_rank=engine_index))
         self.config = config
         self.engine_index = engine_index
+        self.greet_not_before = greet_not_before
         self.ctx = zmq.Context(io_threads=1)
         inputs = [input_addr] if isinstance(input_addr, str) else list(input_addr)
         outputs = [output_addr] if isinstance(output_addr, str) else list(output_addr)
@@ -289,6 +292,8 @@ class EngineCoreProc:
                                           engine_index=self.engine_index, pid=os.getpid()))
             return False
         self.watch_executor()
+        if self.greet_not_before is not None:
+            time.sleep(max(0.0, self.greet_not_before - time.monotonic()))
         self.broadcast(HandshakeReply(
             ready=True, num_blocks=self.core.num_blocks,
             max_model_len=self.config.model_config.max_model_len,
@@ -450,6 +455,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--lifeline-fd", type=int, required=True)
     parser.add_argument("--parent-pid", type=int, required=True)
     parser.add_argument("--executor", choices=("default", "null", "null-mp"), default="default")
+    parser.add_argument("--greet-not-before", type=float, default=None,
+                        help="send the ready handshake no earlier than this time.monotonic()")
     ns = parser.parse_args(argv)
     install_lifeline(ns.lifeline_fd, ns.parent_pid, f"ringserve::EngineCore_DP{ns.engine_index}")
     signal.signal(signal.SIGTERM, _raise_shutdown)
@@ -485,7 +492,8 @@ def main(argv: list[str] | None = None) -> int:
         if auth is not None:
             secure = auth.secure_client
     proc = EngineCoreProc(config, ns.engine_index, ns.input_addr, ns.output_addr, executor_class,
-                          topology=topology, secure=secure)
+                          topology=topology, secure=secure,
+                          greet_not_before=ns.greet_not_before)
     status = 0
     try:
         if proc.start_core():

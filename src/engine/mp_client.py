@@ -153,6 +153,8 @@ class CoreProcess(ChildProcess):
         executor: "default", or "null" / "null-mp" (engine-overhead benchmark: a null model
             in the core process, or in mp worker processes behind the rings).
         topology: the scaled-out deployment's layout (`cluster_wire.ClusterTopology`).
+        greet_not_before: the core sends its ready handshake no earlier than this
+            `time.monotonic()` (the host's clock; None: as soon as it is ready).
     """
 
     # Set when the core is stopped on purpose (elastic scale-down): its exit is no fault.
@@ -160,7 +162,7 @@ class CoreProcess(ChildProcess):
 
     def __init__(self, config: EngineConfig, engine_index: int, input_addr: str | list[str],
                  output_addr: str | list[str], executor: str = "default",
-                 topology: Any = None) -> None:
+                 topology: Any = None, greet_not_before: float | None = None) -> None:
         self.engine_index = engine_index
         inputs = [input_addr] if isinstance(input_addr, str) else input_addr
         outputs = [output_addr] if isinstance(output_addr, str) else output_addr
@@ -172,6 +174,8 @@ class CoreProcess(ChildProcess):
             cmd += ["--output-addr", addr]
         if topology is not None:
             cmd += ["--topology", msgspec.msgpack.encode(topology).hex()]
+        if greet_not_before is not None:
+            cmd += ["--greet-not-before", repr(greet_not_before)]
         super().__init__(cmd, msgspec.msgpack.encode(config), f"core{engine_index}")
 
 
