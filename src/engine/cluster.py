@@ -9,9 +9,9 @@ such a host itself (`--headless`). Then its supervisor (`ringserve.http.scaleout
   `--data-parallel-address`; the coordinator's two addresses; which engines are remote;
 * `EngineFleet`: this host's engine cores (ranks `start_rank ..` `start_rank + local - 1`), each
   connected to every frontend, restarted when its process dies (fault tolerance on, within
-  the restart budget), plus, on the head, the DP coordinator process (when DP > 1), the
-  lockstep store (experts over several cores) and the join service headless hosts ask for
-  the topology (`JoinRequest` on `--data-parallel-address:--data-parallel-rpc-port`).
+  the restart budget), plus, on the head, the DP coordinator process (when DP > 1 or more
+  than one API server), the lockstep store (experts over several cores) and the join
+  service headless hosts ask for the topology (`JoinRequest` on `--data-parallel-address:--data-parallel-rpc-port`).
 
 Frontends watch the cores themselves (`attached_client`); the fleet only keeps them running.
 A core that cannot be restarted (fault tolerance off, crash loop) ends the fleet's `run` with
@@ -154,7 +154,7 @@ def build_topology(config: EngineConfig, cluster: ClusterSettings,
                                            f"ipc://{run_dir}/fe{index}-out",
                                            f"ipc://{run_dir}/fe{index}-ctl"))
     coord_in = coord_pub = ""
-    if size > 1:
+    if size > 1 or len(frontends) > 1:  # several API servers: ready for an elastic scale-up
         if remote:
             coord_in, coord_pub = _tcp(host, _free_port(host)), _tcp(host, _free_port(host))
         else:

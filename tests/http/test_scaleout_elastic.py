@@ -44,6 +44,9 @@ async def test_scale_up_and_down_across_two_api_servers(model_dir: Path,
     with live:
         kinds = _processes(live)
         assert len(kinds["core"]) == 1 and "frontend1" in kinds
+        # Two API servers have the DP coordinator from the start (issue 19 item 2), so the
+        # scaled-up cores' loads reach both.
+        assert len(kinds["coordinator"]) == 1
         limits = httpx.Limits(max_connections=64, max_keepalive_connections=64)
         async with httpx.AsyncClient(base_url=live.url, timeout=120, limits=limits) as client:
             expected = await _expected_texts(client)
