@@ -124,19 +124,25 @@ async def test_killed_headless_engine_fails_fast_and_rejoins(
     admin = _auth(ADMIN_KEY)
     outcomes: list[str] = []
 
+    killing = trio.Event()
+
     async def one(client: httpx.AsyncClient) -> None:
-        try:
-            _, _, finish = await _stream_text(client, _body("long", 480))
-            outcomes.append(finish)
-        except (httpx.HTTPError, AssertionError):
-            outcomes.append("cut")
+        # Streams back to back until the kill, so both engines have one running then (a
+        # 480-token stream of the tiny model can end within a second).
+        while not killing.is_set():
+            try:
+                _, _, finish = await _stream_text(client, _body("long", 480))
+                outcomes.append(finish)
+            except (httpx.HTTPError, AssertionError):
+                outcomes.append("cut")
 
     async with httpx.AsyncClient(base_url=head.url, timeout=120) as client:
         with trio.fail_after(90):
             async with trio.open_nursery() as nursery:
-                for _ in range(4):
+                for _ in range(6):
                     nursery.start_soon(one, client)
                 await trio.sleep(1.0)
+                killing.set()
                 os.kill(core, signal.SIGKILL)
                 killed = trio.current_time()
                 while True:  # reported per engine
