@@ -172,10 +172,7 @@ class AttachedMPClient(DPLBAsyncMPClient):
             logger.error("%s", fault)
             self._core_lost(index, fault)
             self._on_core_death(index, fault)
-            self.pids[index] = reply.pid
-            self.restarts[index] += 1
-            self.restarting.discard(index)
-            self.fault_states[index].update(FaultStatus(EngineStatus.HEALTHY))
+            self._rejoined(index, reply)
 
     def record_stats(self, outputs: EngineCoreOutputs) -> None:
         if 0 <= outputs.engine_index < self.num_engines:
@@ -297,14 +294,17 @@ class AttachedMPClient(DPLBAsyncMPClient):
         if not replies or not replies[-1].ready:
             return (f"no new engine core was ready within {timeout:.0f} s "
                     "(RINGSERVE_ENGINE_READY_TIMEOUT_S)")
-        reply = replies[-1]
+        self._rejoined(index, replies[-1])
+        return None
+
+    def _rejoined(self, index: int, reply: HandshakeReply) -> None:
+        """Serve with the core's new process from now on (its restart is counted)."""
         self.pids[index] = reply.pid
         self.last_seen[index] = time.monotonic()
         self.restarts[index] += 1
         self.restarting.discard(index)
         self.fault_states[index].update(FaultStatus(EngineStatus.HEALTHY))
         logger.warning("engine core %d rejoined", index)
-        return None
 
     def _close_more(self) -> None:
         if self._load_sock is not None:

@@ -11,7 +11,8 @@ such a host itself (`--headless`). Then its supervisor (`ringserve.http.scaleout
   connected to every frontend, restarted when its process dies (fault tolerance on, within
   the restart budget), plus, on the head, the DP coordinator process (when DP > 1 or more
   than one API server), the lockstep store (experts over several cores) and the join
-  service headless hosts ask for the topology (`JoinRequest` on `--data-parallel-address:--data-parallel-rpc-port`).
+  service headless hosts ask for the topology (`JoinRequest` on
+  `--data-parallel-address:--data-parallel-rpc-port`).
 
 Frontends watch the cores themselves (`attached_client`); the fleet only keeps them running.
 A core that cannot be restarted (fault tolerance off, crash loop) ends the fleet's `run` with
