@@ -241,8 +241,12 @@ static void swiglu_mlp(const rs_layer *layer, int64_t n, int64_t hid, int64_t in
     for (int64_t i = 0; i < n; i++) {
         const float *g = gu + i * 2 * inter, *u = g + inter;
         float *a = act + i * inter;
-#pragma omp simd
-        for (int64_t j = 0; j < inter; j++)
+        int64_t j = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+        for (; j + 8 <= inter; j += 8)
+            _mm256_storeu_ps(a + j, rs_silu_mul8(_mm256_loadu_ps(g + j), _mm256_loadu_ps(u + j)));
+#endif
+        for (; j < inter; j++)
             a[j] = g[j] / (1.f + rs_exp(-g[j])) * u[j];
     }
     rs_linear_team(&layer->down, act, n, inter, out, hid);
@@ -260,13 +264,14 @@ static void layer_forward(const rs_model *m, const rs_layer *layer, const rs_ste
 #pragma omp for schedule(static)
     for (int64_t i = 0; i < n; i++)
         prepare_row(m, layer, qkv + i * qw, s->positions[i], s->slots[i]);
+    const int64_t hkv = m->num_kv_heads, per = rs_attend_heads_per_task(n, hkv, s->nthreads);
 #pragma omp for schedule(dynamic, 1)
-    for (int64_t t = 0; t < n * m->num_kv_heads; t++) {
-        const int64_t i = t / m->num_kv_heads;
-        rs_attend_group(qkv + i * qw, attn + i * aw, layer->kv_cache, m->num_slots,
-                        s->tables + i * s->max_blocks, s->lens[i], m->num_heads,
-                        m->num_kv_heads, m->head_dim, t % m->num_kv_heads, m->block_size,
-                        m->scale, layer->window, 0.f, scores);
+    for (int64_t t = 0; t < n * (hkv / per); t++) {
+        const int64_t i = t / (hkv / per), kv0 = t % (hkv / per) * per;
+        rs_attend_heads(qkv + i * qw, attn + i * aw, layer->kv_cache, m->num_slots,
+                        s->tables + i * s->max_blocks, s->lens[i], m->num_heads, hkv,
+                        m->head_dim, kv0, kv0 + per, m->block_size, m->scale, layer->window,
+                        0.f, scores);
     }
     rs_linear_team(&layer->o, attn, n, aw, tmp, hid);
     add_and_norm(m, n, residual, tmp, layer->post_norm, normed);
@@ -307,8 +312,9 @@ int rs_decode_step(const rs_model *m, const rs_step *s)
             || s->slots[i] >= m->num_slots || s->lens[i] < 1 || s->lens[i] > s->max_len)
             return -2;
     }
-    const int64_t group = m->num_heads / m->num_kv_heads;
-    const int64_t per_thread = group * (s->max_len > 0 ? s->max_len : 1);
+    const int64_t per_thread = rs_attend_scratch_floats(
+        m->num_heads, m->num_kv_heads, rs_attend_heads_per_task(n, m->num_kv_heads, s->nthreads),
+        s->max_len);
     float *scores = malloc(sizeof(float) * (size_t)(per_thread * s->nthreads));
     if (scores == NULL)
         return -1;

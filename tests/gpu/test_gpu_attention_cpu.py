@@ -34,6 +34,27 @@ def test_kernel_matches_per_request_attention(heads: int, kv_heads: int, dim: in
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize(("group", "kv_heads", "dim"),
+                         [(1, 3, 64), (3, 3, 64), (5, 1, 80), (9, 1, 64), (6, 2, 40),
+                          (3, 3, 12), (2, 1, 8)])
+@pytest.mark.parametrize("lens", [[37], [1, 7, 8, 9, 16, 17, 63, 64, 65, 100, 3, 250]])
+@pytest.mark.parametrize(("window", "soft_cap"), [(None, None), (20, None), (None, 30.0)])
+def test_vector_tiles_match_the_torch_backend(group: int, kv_heads: int, dim: int,
+                                              lens: list[int], window: int | None,
+                                              soft_cap: float | None) -> None:
+    # The AVX2 paths: query heads in tiles of up to 4 (5, 6, 9 leave remainders), 16-channel
+    # tiles with an 8-channel tail (dim 40, 80), dims off the vector width (12: the scalar
+    # loops), lengths around the 8-position chunks and the blocks, one decode (a task per kv
+    # head) and twelve (a task per decode), a sliding window and a soft cap.
+    cache, _tables, _qsl, meta = _batch(lens, [1] * len(lens), kv_heads=kv_heads, dim=dim,
+                                        stale=10**6)
+    query = torch.randn(len(lens), group * kv_heads, dim)
+    options = {"sliding_window": window, "logits_soft_cap": soft_cap}
+    got = CpuAttentionBackend().attend(query, cache, meta, dim**-0.5, **options)
+    want = TorchAttentionBackend().attend(query, cache, meta, dim**-0.5, **options)
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
+
+
 def test_non_contiguous_query_and_plan_reuse() -> None:
     cache, tables, qsl, meta = _batch([5, 40, 17], [1, 1, 1])
     wide = torch.randn(qsl[-1], 8, 16)

@@ -32,31 +32,6 @@
  * that each grab of the dynamic schedule fetches several panels in a row (one stream). */
 #define MOE_CHUNKS_PER_THREAD 8
 
-/* silu(g) * u = g / (1 + e^-g) * u for 8 lanes: fast_exp.h's rs_exp written with AVX2
- * intrinsics, since gcc keeps the scalar one out of vector loops (its clamps are comparisons
- * that may trap under the default -ftrapping-math). A NaN gate stays NaN through g / (...). */
-static inline __m256 silu_mul8(__m256 g, __m256 u)
-{
-    const __m256 x = _mm256_min_ps(_mm256_max_ps(_mm256_sub_ps(_mm256_setzero_ps(), g),
-                                                 _mm256_set1_ps(-87.0f)),
-                                   _mm256_set1_ps(88.0f));
-    const __m256 n = _mm256_floor_ps(
-        _mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f)));
-    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-    r = _mm256_fmadd_ps(n, _mm256_set1_ps(2.12194440e-4f), r);
-    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
-    p = _mm256_add_ps(_mm256_fmadd_ps(_mm256_mul_ps(p, r), r, r), _mm256_set1_ps(1.0f));
-    const __m256i bits = _mm256_slli_epi32(
-        _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-    const __m256 e = _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
-    return _mm256_mul_ps(_mm256_div_ps(g, _mm256_add_ps(_mm256_set1_ps(1.0f), e)), u);
-}
-
 /* The group of task t: the last group whose first task is <= t (groups sorted by it). */
 static int64_t group_of(const rs_moe_group *g, int64_t num_groups, int64_t t)
 {
@@ -149,7 +124,7 @@ void rs_moe_swiglu_team(const rs_moe_plan *plan, const float *rows, int64_t num_
         const float *u = g + inter;
         int64_t j = 0;
         for (; j + 8 <= inter; j += 8)
-            _mm256_storeu_ps(g + j, silu_mul8(_mm256_loadu_ps(g + j), _mm256_loadu_ps(u + j)));
+            _mm256_storeu_ps(g + j, rs_silu_mul8(_mm256_loadu_ps(g + j), _mm256_loadu_ps(u + j)));
         for (; j < inter; j++)
             g[j] = g[j] / (1.f + rs_exp(-g[j])) * u[j];
     }
