@@ -25,8 +25,7 @@
 /* Rows of x per block: a block's rows stay in L2 while every panel of the thread passes. */
 #define ROW_BLOCK 48
 
-static void tile1(const float *x, int64_t ldx, const float *p, int64_t k, float *out,
-                  const float *pf)
+static void tile1(const float *x, int64_t ldx, const float *p, int64_t k, float *out)
 {
     (void)ldx; /* one row */
     __m256 c0a = _mm256_setzero_ps(), c0b = c0a;
@@ -34,10 +33,6 @@ static void tile1(const float *x, int64_t ldx, const float *p, int64_t k, float 
     int64_t j = 0;
     for (; j + 2 <= k; j += 2) {
         const __m256 xa = _mm256_broadcast_ss(x + j), xb = _mm256_broadcast_ss(x + j + 1);
-        if (pf != p) {
-            _mm_prefetch((const char *)(pf + j * 16), _MM_HINT_T1);
-            _mm_prefetch((const char *)(pf + j * 16 + 16), _MM_HINT_T1);
-        }
         c0a = _mm256_fmadd_ps(xa, _mm256_loadu_ps(p + j * 16), c0a);
         c0b = _mm256_fmadd_ps(xa, _mm256_loadu_ps(p + j * 16 + 8), c0b);
         d0a = _mm256_fmadd_ps(xb, _mm256_loadu_ps(p + j * 16 + 16), d0a);
@@ -215,7 +210,7 @@ static void tile(int64_t rows, const float *x, int64_t ldx, const float *p, int6
                  float *out, const float *pf)
 {
     switch (rows) {
-    case 1: tile1(x, ldx, p, k, out, pf); break;
+    case 1: tile1(x, ldx, p, k, out); break; /* streams at the bandwidth: no prefetch */
     case 2: tile2(x, ldx, p, k, out, pf); break;
     case 3: tile3(x, ldx, p, k, out, pf); break;
     case 4: tile4(x, ldx, p, k, out, pf); break;
