@@ -14,7 +14,8 @@ by transformers, which is the policy being trained. Each step:
 4. train: the policy-gradient loss -mean(advantage * sum log pi(token)), log pi from
    transformers run over prompt + completion (teacher forcing), then one AdamW step;
 5. sync: `TrainerWeightTransferEngine.send_weights()` pushes every parameter into the engine
-   (shared memory, or a gloo group) and returns the version the next rollouts must report.
+   (shm: the workers read the policy's parameters in place, `SharedWeights`; or a gloo group)
+   and returns the version the next rollouts must report.
 
 Two checks tie the halves together: every completion must report the version sent last
 (None before the first), and the engine's logprobs of the sampled tokens must equal the
@@ -33,6 +34,7 @@ mean ..."; exits with status 1 when the reward did not rise, 2 when a check fail
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 import sys
 import time
@@ -44,7 +46,11 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from ringserve import LLM, SamplingParams
 from ringserve.gpu.testing import demo_model_path
-from ringserve.weight_transfer import ModuleWeightSource, TrainerWeightTransferEngine
+from ringserve.weight_transfer import (
+    ModuleWeightSource,
+    SharedWeights,
+    TrainerWeightTransferEngine,
+)
 
 PROMPTS = [
     "The numbers are",
@@ -199,9 +205,15 @@ def run(args: argparse.Namespace) -> int:
     config = {"backend": args.backend}
     history: list[float] = []
     worst_diff = 0.0
-    with LLM(model_dir, weight_transfer_config=config, **ENGINE_ARGS) as llm, \
-            TrainerWeightTransferEngine(config, llm) as trainer:
-        trainer.trainer_init(ModuleWeightSource(policy))
+    # shm: the policy's parameters move into shared memory, where the engine's workers read
+    # them in place at every sync (nothing is copied on the trainer's side).
+    source = SharedWeights(policy) if args.backend == "shm" else ModuleWeightSource(policy)
+    with contextlib.ExitStack() as stack:
+        if isinstance(source, SharedWeights):
+            stack.enter_context(source)  # unlinked at the end
+        llm = stack.enter_context(LLM(model_dir, weight_transfer_config=config, **ENGINE_ARGS))
+        trainer = stack.enter_context(TrainerWeightTransferEngine(config, llm))
+        trainer.trainer_init(source)
         version: str | None = None  # the start-up weights
         print(f"{'step':>4} {'reward':>7} {'loss':>8} {'|dlogp|':>8} {'version':>7} "
               f"{'rollout s':>9} {'train s':>7} {'sync s':>6}")

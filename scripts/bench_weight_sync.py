@@ -6,26 +6,31 @@ and the whole pause -> update -> resume cycle.
 In one process: an `LLM` on the shape (`--load-format dummy`, the default attention backend
 and the captured decode step) started with `--weight-transfer-config {"backend": B}`, and a
 trainer (`ringserve.weight_transfer.TrainerWeightTransferEngine`, the `LLM` as its sync
-client) whose source holds the shape's HF-named float32 tensors (random values). Every round
-is timed by phase through a wrapper of the client: start (the metadata check, done once per
-distinct list; the standby model is built at the first round only), update (every bucket: the trainer copies it into the transport, each worker reads it
-in place and packs it into its standby model's panels, TP rank 0 also into the snapshot),
-finish (the swap between steps, the decode capture again). "update GB/s" is the bytes over the update
-phase alone, the transport; "round GB/s" over the whole round. The baseline is a `copy_` of
-every source tensor into a preallocated one (the same bytes, one read and one write), median
-of 5, at the same thread count. The cycle is `pause("keep")` -> one round -> `resume()` with
-four requests in flight (each decoding: past its prefill, so the pause waits for one decode
-step) that continue afterwards (their KV is recomputed), target: under the
-memcpy time + 100 ms; a line per shape and backend says where its time went (the pause, which
-returns once the step in flight has ended, the round's phases, the resume).
+client) whose source holds the shape's HF-named float32 tensors (random values): in the
+trainer's own memory (`--sources private`: every bucket is copied into the transport), or
+moved into shared memory by `SharedWeights` (`shared`, shm only: the workers read them in
+place). Every round is timed by phase through a wrapper of the client: start (the metadata
+check, done once per distinct list; the standby model is built at the first round only),
+update (every bucket: the trainer copies it into the transport unless shared, each worker
+reads it in place and packs it into its standby model's panels, TP rank 0 also into the
+snapshot), finish (the swap between steps, the decode capture again). "update GB/s" is the
+bytes over the update phase alone, the transport; "round GB/s" over the whole round. The
+baseline is a `copy_` of every source tensor into a preallocated one (the same bytes, one
+read and one write), median of 5, at the same thread count. The cycle is `pause("keep")` ->
+one round -> `resume()` with four requests in flight (each decoding: past its prefill, so the
+pause waits for one decode step) that continue afterwards (their KV is recomputed), target:
+under the memcpy time + 100 ms; a line per shape and backend says where its time went (the
+pause, which returns once the step in flight has ended, the round's phases, the resume).
 
     .venv/bin/python scripts/bench_weight_sync.py [--shapes 135m,500m] [--backends shm,gloo]
         [--rounds 3] [--threads 2] [--no-snapshot] [--bucket-bytes N]
+        [--sources private,shared]
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -67,23 +72,29 @@ def shape_dir(root: Path, shape: str) -> Path:
                                  "num_hidden_layers"]})
 
 
-def source_tensors(model_dir: Path) -> dict[str, torch.Tensor]:
-    """The shape's HF-named parameters (as transformers names them), random float32."""
+def source_model(model_dir: Path) -> torch.nn.Module:
+    """The shape as transformers builds it (HF names), random float32 values: the trainer's
+    model."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     config = AutoConfig.from_pretrained(str(model_dir))
     with torch.device("meta"):
-        meta = AutoModelForCausalLM.from_config(config)
+        model = AutoModelForCausalLM.from_config(config)
+    model.to_empty(device="cpu")
+    model.tie_weights()
     gen = torch.Generator().manual_seed(0)
-    tensors: dict[str, torch.Tensor] = {}
-    for name, param in meta.named_parameters():
-        values = torch.empty(param.shape, dtype=torch.float32)
-        if "norm" in name:
-            values.fill_(1.0)
-        else:
-            values.uniform_(-0.02, 0.02, generator=gen)
-        tensors[name] = values
-    return tensors
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.fill_(1.0)
+            else:
+                param.uniform_(-0.02, 0.02, generator=gen)
+    return model
+
+
+def source_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The model's parameters by HF name (a tied weight once), as the trainer sends them."""
+    return {name: param.detach() for name, param in model.named_parameters()}
 
 
 def memcpy_seconds(tensors: dict[str, torch.Tensor]) -> float:
@@ -104,6 +115,7 @@ class TimedClient:
     def __init__(self, llm: Any) -> None:
         self.llm = llm
         self.phases: dict[str, float] = {}
+        self.calls: dict[str, int] = {}  # per phase, this round
 
     def _timed(self, phase: str, call: Any, *args: Any) -> Any:
         start = time.perf_counter()
@@ -111,6 +123,7 @@ class TimedClient:
             return call(*args)
         finally:
             self.phases[phase] = self.phases.get(phase, 0.0) + time.perf_counter() - start
+            self.calls[phase] = self.calls.get(phase, 0) + 1
 
     def get_world_size(self, include_dp: bool = True) -> int:
         return int(self.llm.get_world_size(include_dp))
@@ -134,10 +147,15 @@ def span(values: list[float], scale: float = 1.0, fmt: str = ".1f") -> str:
 
 
 def bench(shape: str, backend: str, ns: argparse.Namespace, root: Path,
-          tensors: dict[str, torch.Tensor], copy_s: float) -> dict[str, Any]:
+          model: torch.nn.Module, copy_s: float, shared: bool) -> dict[str, Any]:
     from ringserve import LLM, SamplingParams
-    from ringserve.weight_transfer import StateDictSource, TrainerWeightTransferEngine
+    from ringserve.weight_transfer import (
+        SharedWeights,
+        StateDictSource,
+        TrainerWeightTransferEngine,
+    )
 
+    tensors = source_tensors(model)
     nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
     config: dict[str, Any] = {"backend": backend, "snapshot": ns.snapshot}
     if ns.bucket_bytes:
@@ -149,14 +167,21 @@ def bench(shape: str, backend: str, ns: argparse.Namespace, root: Path,
              weight_transfer_config=config, kv_cache_memory=64 << 20, max_model_len=512,
              max_num_seqs=8) as llm:
         client = TimedClient(llm)
-        with TrainerWeightTransferEngine(config, client) as trainer:
-            trainer.trainer_init(StateDictSource(tensors))
+        with TrainerWeightTransferEngine(config, client) as trainer, \
+                contextlib.ExitStack() as stack:
+            source: Any = StateDictSource(tensors)
+            if shared:  # the parameters move into shared memory: buckets are sent in place
+                source = stack.enter_context(SharedWeights(model))
+            trainer.trainer_init(source)
             trainer.send_weights("warm-up")
             for i in range(ns.rounds):
-                client.phases = {}
+                client.phases, client.calls = {}, {}
                 start = time.perf_counter()
                 trainer.send_weights(f"r{i}")
                 rounds.append({"round": time.perf_counter() - start, **client.phases})
+            if shared:  # every bucket went in place
+                sender: Any = trainer._transport
+                assert sender.sent_in_place == client.calls["update"], sender.sent_in_place
             params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
             engine = llm.llm_engine
             for i in range(ns.rounds):
@@ -183,7 +208,7 @@ def bench(shape: str, backend: str, ns: argparse.Namespace, root: Path,
     update = [r["update"] for r in rounds]
     total = [r["round"] for r in rounds]
     return {
-        "shape": shape, "backend": backend, "bytes": nbytes, "tensors": len(tensors),
+        "shape": shape, "backend": backend + (" (shared)" if shared else ""), "bytes": nbytes, "tensors": len(tensors),
         "round_s": total, "start_s": [r["start"] for r in rounds], "update_s": update,
         "finish_s": [r["finish"] for r in rounds], "cycle_s": cycles, "memcpy_s": copy_s,
         "cycle_parts_s": {k: [c[k] for c in cycle_parts]
@@ -226,6 +251,10 @@ def main() -> int:
                    "`snapshot`; default on, as the engine's)")
     p.add_argument("--bucket-bytes", type=int, default=0,
                    help="the weight transfer config's bucket_bytes (default: the config's)")
+    p.add_argument("--sources", default="private",
+                   help="comma-separated: private (the trainer's tensors in its own memory, "
+                   "copied into the transport's buckets) and/or shared (`SharedWeights`: the "
+                   "parameters in shared memory, read in place; shm only)")
     p.add_argument("--json", type=Path, default=None, help="also write the results here")
     ns = p.parse_args()
     torch.set_num_threads(ns.threads)
@@ -236,13 +265,18 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="bench-weight-sync-") as tmp:
         root = Path(tmp)
         for shape in ns.shapes.split(","):
-            tensors = source_tensors(shape_dir(root, shape))
-            copy_s = memcpy_seconds(tensors)
+            model = source_model(shape_dir(root, shape))
+            copy_s = memcpy_seconds(source_tensors(model))
             for backend in ns.backends.split(","):
-                result = bench(shape, backend, ns, root, tensors, copy_s)
-                results.append(result)
-                print("\n".join(report(result)), flush=True)
-            del tensors
+                for source in ns.sources.split(","):
+                    if source not in ("private", "shared"):
+                        p.error(f"--sources: {source!r} is not private or shared")
+                    if source == "shared" and backend != "shm":
+                        continue  # only the shm transport reads a trainer's memory in place
+                    result = bench(shape, backend, ns, root, model, copy_s, source == "shared")
+                    results.append(result)
+                    print("\n".join(report(result)), flush=True)
+            del model
     print("\n| shape | backend | GB | round ms | start ms | update ms | finish ms | update GB/s "
           "| round GB/s | memcpy GB/s (ms) | update / round vs memcpy | cycle ms vs target |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|")

@@ -17,8 +17,9 @@ Failures: a phase a worker refuses (bad input, a metadata mismatch, the trainer 
 transport timeout of `--weight-transfer-timeout-s`) raises `WeightTransferError` to the caller
 and abandons the round on every worker; the old weights keep serving. A worker that dies or
 does not answer within the timeout plus a grace period is an engine fault (the fault-tolerance
-path: every request fails, `/health` is 503, `retry` restarts the workers from the start-up
-weights and the version returns to the start-up one).
+path: every request fails, `/health` is 503, `retry` restarts the workers from the last
+complete weights: the snapshot of the last round when it has one, `restart_config`, else the
+start-up weights, and the version returns to the one they are).
 
 `collective_rpc(method, args, timeout)` calls a worker method named in `RPC_METHODS`, a short
 allow-list of read-only calls; anything else is refused (no arbitrary code, no pickle).

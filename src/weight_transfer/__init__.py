@@ -10,7 +10,8 @@ engine side lives in ``ringserve.engine.weight_sync`` and ``ringserve.gpu.weight
 this package imports neither).
 
 Transports (`WeightTransferConfig.backend`): ``shm`` (one host: shared-memory segments read in
-place, ``shm_transport``), ``gloo`` (any hosts, CPU) and ``nccl`` (CUDA) (a standalone
+place, ``shm_transport``; a trainer's parameters kept in shared memory, `SharedWeights`, are
+sent without a copy), ``gloo`` (any hosts, CPU) and ``nccl`` (CUDA) (a standalone
 process group, one broadcast per bucket, ``collective``). Wire schemas: ``messages``; bucket
 layout: ``buckets``.
 
@@ -29,6 +30,7 @@ from ringserve.weight_transfer.errors import WeightSyncError, WeightTransportErr
 if TYPE_CHECKING:
     from ringserve.weight_transfer.client import WeightSyncClient
     from ringserve.weight_transfer.receiver import WeightReceiver, make_receiver
+    from ringserve.weight_transfer.shared_weights import SharedWeights
     from ringserve.weight_transfer.source import (
         ModuleWeightSource,
         StateDictSource,
@@ -47,6 +49,7 @@ _LAZY = {
     "WeightSyncClient": "client",
     "WeightReceiver": "receiver",
     "make_receiver": "receiver",
+    "SharedWeights": "shared_weights",
     "ModuleWeightSource": "source",
     "StateDictSource": "source",
     "TensorMeta": "source",
@@ -60,6 +63,7 @@ _LAZY = {
 
 __all__ = [
     "ModuleWeightSource",
+    "SharedWeights",
     "StateDictSource",
     "TensorMeta",
     "TrainerWeightTransferEngine",

@@ -62,8 +62,9 @@ def plan_buckets(metas: list[TensorMeta], capacity: int) -> list[BucketPlan]:
     return buckets
 
 
-def _typed_view(buffer: torch.Tensor, offset: int, dtype: torch.dtype,
-                shape: tuple[int, ...]) -> torch.Tensor:
+def typed_view(buffer: torch.Tensor, offset: int, dtype: torch.dtype,
+               shape: tuple[int, ...]) -> torch.Tensor:
+    """The tensor of `dtype` and `shape` whose bytes start at `offset` of `buffer` (uint8)."""
     numel = 1
     for dim in shape:
         numel *= dim
@@ -71,17 +72,17 @@ def _typed_view(buffer: torch.Tensor, offset: int, dtype: torch.dtype,
     return buffer[offset:offset + nbytes].view(dtype).view(shape)
 
 
-def pack(buffer: torch.Tensor, bucket: BucketPlan,
-         tensors: Iterator[tuple[str, torch.Tensor]]) -> list[TensorSlot]:
-    """Copy the bucket's tensors, taken from `tensors` in order, into `buffer` (uint8, at least
-    ``bucket.nbytes`` long); returns their slots.
+def take(bucket: BucketPlan, tensors: Iterator[tuple[str, torch.Tensor]]
+         ) -> list[tuple[TensorMeta, int, torch.Tensor]]:
+    """The bucket's tensors, taken from `tensors` in order: (metadata, offset in the bucket,
+    tensor) each.
 
     Raises:
         ValueError: the source ran out, or yielded a tensor whose name, dtype or shape is not
             the one its metadata announced (the engine checked the metadata, so a difference
             would load the wrong bytes).
     """
-    slots: list[TensorSlot] = []
+    items: list[tuple[TensorMeta, int, torch.Tensor]] = []
     for meta, offset in bucket.slots:
         item = next(tensors, None)
         if item is None:
@@ -93,9 +94,29 @@ def pack(buffer: torch.Tensor, bucket: BucketPlan,
             raise ValueError(f"the weight source yielded {got[0]!r} ({got[1]}, shape "
                              f"{list(got[2])}) where its metadata announced {meta.name!r} "
                              f"({meta.dtype}, shape {list(meta.shape)})")
-        _typed_view(buffer, offset, tensor.dtype, meta.shape).copy_(tensor)
+        items.append((meta, offset, tensor))
+    return items
+
+
+def copy_in(buffer: torch.Tensor, items: list[tuple[TensorMeta, int, torch.Tensor]]
+            ) -> list[TensorSlot]:
+    """Copy `take`'s tensors into `buffer` (uint8, long enough) at their offsets; their slots."""
+    slots: list[TensorSlot] = []
+    for meta, offset, tensor in items:
+        typed_view(buffer, offset, tensor.dtype, meta.shape).copy_(tensor)
         slots.append(TensorSlot(meta.name, meta.dtype, meta.shape, offset))
     return slots
+
+
+def pack(buffer: torch.Tensor, bucket: BucketPlan,
+         tensors: Iterator[tuple[str, torch.Tensor]]) -> list[TensorSlot]:
+    """Copy the bucket's tensors, taken from `tensors` in order, into `buffer` (uint8, at least
+    ``bucket.nbytes`` long); returns their slots.
+
+    Raises:
+        ValueError: as `take`.
+    """
+    return copy_in(buffer, take(bucket, tensors))
 
 
 class CheckedSlot(msgspec.Struct, frozen=True):
@@ -135,4 +156,4 @@ def slot_views(buffer: torch.Tensor,
                slots: list[CheckedSlot]) -> Iterator[tuple[str, torch.Tensor]]:
     """``(name, tensor)`` for each slot: views of `buffer` (uint8), nothing copied."""
     for slot in slots:
-        yield slot.name, _typed_view(buffer, slot.offset, slot.dtype, slot.shape)
+        yield slot.name, typed_view(buffer, slot.offset, slot.dtype, slot.shape)

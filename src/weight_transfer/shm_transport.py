@@ -17,6 +17,10 @@ tensor travels alone. The segment pages are reserved up front (``posix_fallocate
 mapped up front on both sides (``MADV_POPULATE_*``), so the first round copies at the speed of
 the later ones.
 
+A `SharedWeights` source (``shared_weights``: the trainer's parameters moved into a segment of
+their own) adds its segment to ``init_info``; a bucket whose tensors all lie in it is sent as
+slots of that segment, with nothing copied on either side.
+
 Reuse is safe because a segment is refilled only after the ``update_weights`` call that read
 it has returned, and the engine returns only once every worker has loaded (copied) the bucket.
 At most one ``update_weights`` call is in flight, and the segment being filled is never the
@@ -29,7 +33,7 @@ import contextlib
 import functools
 import os
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -39,18 +43,23 @@ from ringserve.weight_transfer.buckets import (
     ALIGN,
     BucketPlan,
     check_slots,
-    pack,
+    copy_in,
     plan_buckets,
     slot_views,
+    take,
 )
 from ringserve.weight_transfer.errors import WeightTransportError
 from ringserve.weight_transfer.messages import (
     ShmInitInfo,
     ShmUpdateInfo,
+    TensorSlot,
     decode,
     encode,
 )
 from ringserve.weight_transfer.source import TensorMeta
+
+if TYPE_CHECKING:
+    from ringserve.weight_transfer.shared_weights import SharedWeights
 
 UpdateCall = Callable[[dict[str, Any]], Any]
 
@@ -69,7 +78,12 @@ def _prefault(segment: Segment, write: bool) -> None:
         segment.mapping.madvise(_MADV_POPULATE_WRITE if write else _MADV_POPULATE_READ)
 
 
-def _create_segment(label: str, size: int) -> Segment:
+def create_segment(label: str, size: int) -> Segment:
+    """A new segment of `size` bytes, its pages reserved and mapped.
+
+    Raises:
+        WeightTransportError: ``/dev/shm`` has no room for it.
+    """
     segment = Segment.create(label, size)
     try:
         fd = os.open(os.path.join(SHM_DIR, segment.name), os.O_RDWR | os.O_CLOEXEC)
@@ -79,8 +93,8 @@ def _create_segment(label: str, size: int) -> Segment:
             os.close(fd)
     except OSError as exc:
         segment.close()
-        raise WeightTransportError(f"cannot reserve {size} bytes in {SHM_DIR} for a weight "
-                                   f"bucket ({exc}); lower bucket_bytes or enlarge {SHM_DIR}"
+        raise WeightTransportError(f"cannot reserve {size} bytes in {SHM_DIR} for weights "
+                                   f"({exc}); lower bucket_bytes or enlarge {SHM_DIR}"
                                    ) from None
     _prefault(segment, write=True)
     return segment
@@ -92,11 +106,16 @@ class ShmSender:
     Args:
         bucket_bytes: the configured bucket size.
         metas: the source's tensors at ``trainer_init`` (they size the segments).
+        shared: the source when it is a `SharedWeights`: its segment is listed in
+            ``init_info``, and buckets whose tensors all lie in it are sent in place.
     """
 
     broken = False  # a shm channel cannot break: nothing is in flight between rounds
 
-    def __init__(self, bucket_bytes: int, metas: list[TensorMeta]) -> None:
+    def __init__(self, bucket_bytes: int, metas: list[TensorMeta],
+                 shared: SharedWeights | None = None) -> None:
+        self._shared = shared
+        self.sent_in_place = 0  # buckets of the last round sent without a copy
         plan = plan_buckets(metas, bucket_bytes)
         normal = [bucket.nbytes for bucket in plan if not bucket.oversized]
         oversized = [bucket.nbytes for bucket in plan if bucket.oversized]
@@ -104,8 +123,8 @@ class ShmSender:
         self._segments: list[Segment] = []
         try:
             for label in ("wt_a", "wt_b")[: 2 if len(normal) > 1 else 1]:
-                self._segments.append(_create_segment(label, self.capacity))
-            self._big = _create_segment("wt_big", max(oversized)) if oversized else None
+                self._segments.append(create_segment(label, self.capacity))
+            self._big = create_segment("wt_big", max(oversized)) if oversized else None
         except BaseException:
             self.close()
             raise
@@ -116,8 +135,11 @@ class ShmSender:
                        for seg in self._segments}
 
     def init_info(self) -> dict[str, Any]:
-        """``{"segments": [name, ...]}``."""
-        return encode(ShmInitInfo([seg.name for seg in self._segments]))
+        """``{"segments": [name, ...]}``: the bucket segments, then the shared one."""
+        names = [seg.name for seg in self._segments]
+        if self._shared is not None and self._shared.segment is not None:
+            names.append(self._shared.segment.name)
+        return encode(ShmInitInfo(names))
 
     def connect(self, init: UpdateCall) -> None:
         """Send the segment names (``init_weight_transfer_engine``)."""
@@ -148,18 +170,26 @@ class ShmSender:
         """
         inflight: BackgroundCall | None = None
         normal = 0
+        self.sent_in_place = 0
         try:
             for bucket in plan:
-                if bucket.oversized and self._big is not None:
-                    segment = self._big
-                else:  # plan() refused oversized buckets without a big segment
-                    segment = self._normal[normal % len(self._normal)]
-                    normal += 1
-                if inflight is not None and inflight.tag is segment:
-                    inflight.result()
-                    inflight = None
-                slots = pack(self._bytes[segment.name], bucket, tensors)
-                info = encode(ShmUpdateInfo(segment.name, slots))
+                items = take(bucket, tensors)
+                in_place = self._in_place(items)
+                if in_place is not None:  # the trainer's shared parameters, read where they lie
+                    info = in_place
+                    segment = None
+                    self.sent_in_place += 1
+                else:
+                    if bucket.oversized and self._big is not None:
+                        segment = self._big
+                    else:  # plan() refused oversized buckets without a big segment
+                        segment = self._normal[normal % len(self._normal)]
+                        normal += 1
+                    if inflight is not None and inflight.tag is segment:
+                        inflight.result()
+                        inflight = None
+                    slots = copy_in(self._bytes[segment.name], items)
+                    info = encode(ShmUpdateInfo(segment.name, slots))
                 if inflight is not None:
                     inflight.result()
                     inflight = None
@@ -175,8 +205,25 @@ class ShmSender:
                     exc.add_note(f"the previous bucket's update_weights also failed: {error!r}")
             raise
 
+    def _in_place(self, items: list[tuple[TensorMeta, int, torch.Tensor]]
+                  ) -> dict[str, Any] | None:
+        """The bucket's ``update_info`` as slots of the shared segment, when every tensor of
+        it lies there; else None (the bucket is copied)."""
+        shared = self._shared
+        segment = None if shared is None else shared.segment
+        if shared is None or segment is None or not items:
+            return None
+        slots: list[TensorSlot] = []
+        for meta, _, tensor in items:
+            offset = shared.offset_of(tensor)
+            if offset is None:
+                return None
+            slots.append(TensorSlot(meta.name, meta.dtype, meta.shape, offset))
+        return encode(ShmUpdateInfo(segment.name, slots))
+
     def close(self) -> None:
-        """Unmap and unlink the segments (idempotent)."""
+        """Unmap and unlink the segments (idempotent); a `SharedWeights` source is the
+        trainer's to close."""
         self._bytes = {}
         for segment in self._segments:
             with contextlib.suppress(BufferError):  # a caller still holds a view

@@ -110,7 +110,7 @@ class TrainerWeightTransferEngine:
                             f"{type(source).__name__}")
         self._close_transport()
         self._source = None
-        transport = self._make_transport(source.metadata(), init_info)
+        transport = self._make_transport(source, init_info)
         try:
             transport.connect(self.client.init_weight_transfer_engine)
         except BaseException:
@@ -118,16 +118,19 @@ class TrainerWeightTransferEngine:
             raise
         self._transport, self._source = transport, source
 
-    def _make_transport(self, metas: list[TensorMeta],
+    def _make_transport(self, source: WeightSource,
                         init_info: dict[str, Any] | None) -> _Transport:
         backend = self.config.backend
+        metas = source.metadata()
         if backend == "shm":
             if init_info:
                 raise ValueError(f"init_info for the shm backend: the trainer takes none, got "
                                  f"{init_info!r}")
+            from ringserve.weight_transfer.shared_weights import SharedWeights
             from ringserve.weight_transfer.shm_transport import ShmSender
 
-            return ShmSender(self.config.bucket_bytes, metas)
+            shared = source if isinstance(source, SharedWeights) else None
+            return ShmSender(self.config.bucket_bytes, metas, shared)
         from ringserve.weight_transfer.collective import CollectiveSender
 
         options = decode(CollectiveTrainerOptions, init_info or {}, "init_info", backend)

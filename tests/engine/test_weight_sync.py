@@ -5,6 +5,7 @@ weights; versions across an update; a mismatched source; a worker SIGKILLed mid-
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 from collections.abc import Iterator
@@ -22,6 +23,7 @@ from ringserve.engine.async_llm import AsyncLLM
 from ringserve.engine.llm import LLM
 from ringserve.weight_transfer import (
     ModuleWeightSource,
+    SharedWeights,
     StateDictSource,
     TrainerWeightTransferEngine,
 )
@@ -69,24 +71,35 @@ def _check_matches(llm: LLM, model: Any, version: str | None) -> None:
 
 @pytest.mark.slow
 @pytest.mark.parametrize(("backend", "tp", "family"),
-                         [("shm", 1, "llama"), ("gloo", 1, "llama"), ("shm", 2, "qwen2")])
+                         [("shm", 1, "llama"), ("gloo", 1, "llama"), ("shm", 2, "qwen2"),
+                          ("shm-shared", 1, "llama"), ("shm-shared", 2, "qwen2")])
 def test_training_loop_pushes_weights(backend: str, tp: int, family: str,
                                       request: pytest.FixtureRequest) -> None:
+    """"shm-shared": the trainer's parameters live in shared memory (`SharedWeights`), and
+    the workers read them in place, every bucket of every round."""
     model_dir: Path = request.getfixturevalue(f"tiny_{family}_dir")
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    shared = SharedWeights(model) if backend == "shm-shared" else None
     opt = torch.optim.SGD(model.parameters(), lr=0.5)
-    config = {"backend": backend, "bucket_bytes": 1 << 20}  # several buckets per round
-    with LLM(str(model_dir), tensor_parallel_size=tp, weight_transfer_config=config,
-             **ENGINE) as llm:
+    config = {"backend": backend.removesuffix("-shared"), "bucket_bytes": 1 << 20}  # buckets
+    with contextlib.ExitStack() as stack:
+        if shared is not None:
+            stack.enter_context(shared)
+        llm = stack.enter_context(LLM(str(model_dir), tensor_parallel_size=tp,
+                                      weight_transfer_config=config, **ENGINE))
         _check_matches(llm, model, None)
         with TrainerWeightTransferEngine(config, llm) as trainer:
-            trainer.trainer_init(ModuleWeightSource(model))
+            trainer.trainer_init(shared or ModuleWeightSource(model))
             losses = []
             for step in range(1, 4):
                 losses.append(_train_step(model, opt))
                 model.eval()
                 assert trainer.send_weights() == str(step)
+                if shared is not None:  # no bucket was copied
+                    sender = trainer._transport
+                    assert sender is not None and sender.sent_in_place > 1  # type: ignore
+                    assert all(shared.offset_of(p) is not None for p in model.parameters())
                 assert llm.get_weight_version() == str(step)
                 _check_matches(llm, model, str(step))
                 model.train()
