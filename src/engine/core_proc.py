@@ -1,8 +1,9 @@
 """EngineCoreProc: an engine core in its own process, with socket threads and a busy loop.
 
-Started by a multiprocess client (`mp_client.py`) as `python -m ringserve.engine.core_proc`;
-the EngineConfig arrives as msgpack on stdin. The process names itself
-`ringserve::EngineCore_DP<i>`, holds a lifeline to its parent, and talks over zmq:
+Started by a multiprocess client (`mp_client.py`) as `python -m ringserve.engine.core_main`;
+the EngineConfig arrives as msgpack on stdin (`core_main` is the entry point: flags, signals,
+the executor choice). The process names itself `ringserve::EngineCore_DP<i>`, holds a lifeline
+to its parent, and talks over zmq:
 
 * input: a DEALER socket (routing id `core<i>`) connected to the frontend's ROUTER; a thread
   decodes each `CoreInput` (add / abort / utility) into the input queue, and logs and drops a
@@ -24,13 +25,11 @@ the core itself).
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import logging
 import os
 import queue
 import signal
-import sys
 import threading
 import time
 import traceback
@@ -40,13 +39,12 @@ from typing import Any
 import msgspec
 import zmq
 
-from ringserve import envs
 from ringserve.config import EngineConfig
-from ringserve.engine.cluster_wire import STARTUP_FAILED_STATUS, ClusterTopology
+from ringserve.engine.cluster_wire import ClusterTopology
 from ringserve.engine.core import EngineCore
 from ringserve.engine.core_links import BROADCAST, ClientLinks
 from ringserve.engine.dp_wave import PeerFault, WaveSync, lockstep_timeout
-from ringserve.engine.sentinel import FaultInstruction, FaultSentinel, describe
+from ringserve.engine.sentinel import FaultInstruction, describe
 from ringserve.engine.wire import (
     DEAD_CALL_ID,
     FAULT_INSTRUCTION_METHOD,
@@ -62,7 +60,6 @@ from ringserve.engine.wire import (
 )
 from ringserve.gpu.executor.base import Executor
 from ringserve.gpu.executor.errors import ExecutorError
-from ringserve.lifeline import install_lifeline
 
 logger = logging.getLogger(__name__)
 
@@ -109,10 +106,6 @@ class _ClientGone:
         self.client = client
 
 
-class _Shutdown(BaseException):
-    """Raised in the main thread by SIGTERM (not an Exception: no fault handler catches it)."""
-
-
 class OutputThreadDied(BaseException):
     """Raised in the main thread (SIGUSR1) when the output thread has died: the core can no
     longer answer, so the process exits 1 (not an Exception: no fault handler catches it)."""
@@ -126,7 +119,8 @@ def _interrupt_main() -> None:
     signal.pthread_kill(main, signal.SIGUSR1)
 
 
-def _raise_output_died(signum: int, frame: Any) -> None:
+def raise_output_died(signum: int, frame: Any) -> None:
+    """The SIGUSR1 handler the process installs (`core_main`): the output thread died."""
     raise OutputThreadDied("the engine core's output thread died")
 
 
@@ -285,7 +279,7 @@ class EngineCoreProc:
         except Exception as exc:  # reported to the frontend, which raises it
             # This process ends by itself now: the frontend's SIGTERM, which follows the reply,
             # must not raise at an arbitrary point of the teardown (inside a GC callback it
-            # printed "Exception ignored ... _Shutdown" under the one-line error).
+            # printed "Exception ignored ... _Shutdown" (core_main's) under the one-line error).
             signal.signal(signal.SIGTERM, signal.SIG_IGN)
             self.start_error = describe(exc)
             self.broadcast(HandshakeReply(ready=False, error=describe(exc),
@@ -436,89 +430,3 @@ class EngineCoreProc:
         if self.core is not None:
             self.core.shutdown()
         self.ctx.term()
-
-
-def _raise_shutdown(signum: int, frame: Any) -> None:
-    raise _Shutdown
-
-
-def main(argv: list[str] | None = None) -> int:
-    """Entry point of the engine-core process (see the module docstring)."""
-    parser = argparse.ArgumentParser(prog="ringserve.engine.core_proc")
-    parser.add_argument("--engine-index", type=int, required=True)
-    parser.add_argument("--input-addr", action="append", required=True,
-                        help="a frontend's ROUTER (repeated: one per frontend)")
-    parser.add_argument("--output-addr", action="append", required=True,
-                        help="the same frontend's PULL (repeated, in the same order)")
-    parser.add_argument("--topology", default=None,
-                        help="the scaled-out deployment's ClusterTopology, msgpack in hex")
-    parser.add_argument("--lifeline-fd", type=int, required=True)
-    parser.add_argument("--parent-pid", type=int, required=True)
-    parser.add_argument("--executor", choices=("default", "null", "null-mp"), default="default")
-    parser.add_argument("--greet-not-before", type=float, default=None,
-                        help="send the ready handshake no earlier than this time.monotonic()")
-    ns = parser.parse_args(argv)
-    install_lifeline(ns.lifeline_fd, ns.parent_pid, f"ringserve::EngineCore_DP{ns.engine_index}")
-    signal.signal(signal.SIGTERM, _raise_shutdown)
-    signal.signal(signal.SIGUSR1, _raise_output_died)
-    # Ctrl-C in a terminal reaches the whole process group; the parent decides when this core
-    # stops (SIGTERM, or the lifeline), so a draining server keeps its engine.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    config = msgspec.msgpack.decode(sys.stdin.buffer.read(), type=EngineConfig)
-    executor_class: type[Executor] | None = None
-    null_step_ms = envs.null_step_ms()
-    if null_step_ms is not None and ns.executor == "default":
-        import functools
-
-        from ringserve.gpu.executor.null import NullExecutor
-
-        executor_class = functools.partial(  # type: ignore[assignment]
-            NullExecutor, step_s=null_step_ms / 1000)
-    elif ns.executor == "null":
-        from ringserve.gpu.executor.null import NullExecutor
-
-        executor_class = NullExecutor
-    elif ns.executor == "null-mp":
-        from ringserve.gpu.executor.null import NullMultiprocExecutor
-
-        executor_class = NullMultiprocExecutor
-    topology = (msgspec.msgpack.decode(bytes.fromhex(ns.topology), type=ClusterTopology)
-                if ns.topology else None)
-    secure = None
-    if topology is not None:
-        from ringserve.engine.cluster_auth import ClusterAuth
-
-        auth = ClusterAuth.load(envs.cluster_secret_file())
-        if auth is not None:
-            secure = auth.secure_client
-    proc = EngineCoreProc(config, ns.engine_index, ns.input_addr, ns.output_addr, executor_class,
-                          topology=topology, secure=secure,
-                          greet_not_before=ns.greet_not_before)
-    status = 0
-    try:
-        if proc.start_core():
-            status = FaultSentinel(proc).run()
-        else:
-            status = STARTUP_FAILED_STATUS
-            if topology is not None:  # the supervisor's log says why, before it stops
-                print(f"ringserve: engine core {ns.engine_index} failed to start: "
-                      f"{proc.start_error}", file=sys.stderr)
-    except _Shutdown:
-        status = 0
-    except OutputThreadDied:
-        status = 1  # nothing more can be sent; the frontend sees the exit
-    except Exception as exc:
-        traceback.print_exc()
-        proc.fail_all(exc)
-        status = 1
-    finally:
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second SIGTERM must not cut close()
-        proc.close()
-    return status
-
-
-if __name__ == "__main__":
-    code = main()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)  # no interpreter teardown: every thread and socket is already closed

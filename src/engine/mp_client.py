@@ -1,6 +1,6 @@
 """Multiprocess engine-core clients: the core runs in its own process, reached over zmq.
 
-`CoreProcess` launches `python -m ringserve.engine.core_proc` (config as msgpack on stdin, a
+`CoreProcess` launches `python -m ringserve.engine.core_main` (config as msgpack on stdin, a
 lifeline pipe, the two zmq addresses) and watches it with a thread blocked in `Popen.wait`, so
 its death is noticed at once. `SyncMPClient` (for `LLMEngine` and `LLM`) binds a ROUTER for
 requests and a PULL for outputs on ipc:// paths in a private temporary directory, waits for the
@@ -166,7 +166,7 @@ class CoreProcess(ChildProcess):
         self.engine_index = engine_index
         inputs = [input_addr] if isinstance(input_addr, str) else input_addr
         outputs = [output_addr] if isinstance(output_addr, str) else output_addr
-        cmd = [sys.executable, "-m", "ringserve.engine.core_proc",
+        cmd = [sys.executable, "-m", "ringserve.engine.core_main",
                "--engine-index", str(engine_index), "--executor", executor]
         for addr in inputs:
             cmd += ["--input-addr", addr]

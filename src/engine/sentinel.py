@@ -1,6 +1,6 @@
 """The fault sentinel: the engine core's fault-tolerance policy around its busy loop.
 
-`FaultSentinel.run` is what an engine-core process (`core_proc.main`) runs. It runs
+`FaultSentinel.run` is what an engine-core process (`core_main.main`) runs. It runs
 `EngineCoreProc.run_busy_loop`; an exception out of it (a worker died, `execute_model` raised
 or exceeded `--execute-model-timeout-s`, a call to the workers between steps such as `sleep`
 failed or exceeded that timeout) is an engine fault. With fault tolerance on, the
