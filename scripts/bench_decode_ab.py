@@ -116,8 +116,8 @@ def summary(values: list[float]) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--baseline", default="c903fc4",
-                        help="the earlier commit (default: the tree before issue 17's work)")
+    parser.add_argument("--baseline", default="0db456c",
+                        help="the earlier commit (default: 0db456c, the tree issue 17 was filed on)")
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--prompt-len", type=int, default=64)
     parser.add_argument("--steps", type=int, default=16)
