@@ -24,7 +24,8 @@
  *
  * With AVX2 and d % 8 == 0 (every model here), the scores are taken eight positions at a time
  * (eight accumulators, one horizontal sum for the eight) and the weighted sum of the values in
- * register tiles of up to 4 query heads by 16 channels, one pass over the positions each; the
+ * register tiles of up to 3 query heads by 32 channels (4 by 16 when the group is a multiple
+ * of 4), one pass over the positions each; the
  * first pass prefetches the rest of each value row, so the later passes read it from L2. The
  * scalar loops (the reference for this order of summation up to float32 rounding) serve the
  * rest. Measured on the AVX2 benchmark VM, 32 decodes of 256 tokens, the 135M shape (9 query
@@ -162,17 +163,19 @@ static void vector_scores(const float *q, int64_t nh, int64_t group, int64_t d,
     }
 }
 
-/* out[h][j0 .. j0 + W) = sum_p weights[h][p] value(lo + p)[j0 ..] for HN heads and W = 8 or
- * 16 channels from values (one kv head's): the accumulators stay in registers over every
- * position. prefetch: fetch `span` floats of each value row from there on the way (the
- * task's kv heads). HN and W are constants where it is inlined. */
+/* out[h][j0 .. j0 + W) = sum_p weights[h][p] value(lo + p)[j0 ..] for HN heads and W = 8, 16
+ * or 32 channels (HN * W / 8 <= 12 accumulators) from values (one kv head's): the
+ * accumulators stay in registers over every position. prefetch: fetch `span` floats of each
+ * value row from there on the way (the task's kv heads). HN and W are constants where it is
+ * inlined. */
 static inline __attribute__((always_inline)) void value_tile(
     int HN, int W, const float *weights, int64_t len, const float *values, int64_t row,
     slot_walk walk, int64_t j0, float *out, int64_t d, const float *prefetch, int64_t span)
 {
-    __m256 acc[4][2];
+    __m256 acc[4][4];
     for (int h = 0; h < HN; h++)
-        acc[h][0] = acc[h][1] = _mm256_setzero_ps();
+        for (int c = 0; c < W / 8; c++)
+            acc[h][c] = _mm256_setzero_ps();
     slot_walk ahead = walk;
     int64_t fetched = 0;
     if (prefetch != NULL)
@@ -184,40 +187,42 @@ static inline __attribute__((always_inline)) void value_tile(
             prefetch_row(prefetch + walk_next(&ahead) * row, span);
             fetched++;
         }
-        const __m256 v0 = _mm256_loadu_ps(v);
-        const __m256 v1 = W == 16 ? _mm256_loadu_ps(v + 8) : v0;
+        __m256 vv[4];
+        for (int c = 0; c < W / 8; c++)
+            vv[c] = _mm256_loadu_ps(v + 8 * c);
         for (int h = 0; h < HN; h++) {
             const __m256 w = _mm256_broadcast_ss(weights + h * len + p);
-            acc[h][0] = _mm256_fmadd_ps(w, v0, acc[h][0]);
-            if (W == 16)
-                acc[h][1] = _mm256_fmadd_ps(w, v1, acc[h][1]);
+            for (int c = 0; c < W / 8; c++)
+                acc[h][c] = _mm256_fmadd_ps(w, vv[c], acc[h][c]);
         }
     }
-    for (int h = 0; h < HN; h++) {
-        _mm256_storeu_ps(out + h * d + j0, acc[h][0]);
-        if (W == 16)
-            _mm256_storeu_ps(out + h * d + j0 + 8, acc[h][1]);
-    }
+    for (int h = 0; h < HN; h++)
+        for (int c = 0; c < W / 8; c++)
+            _mm256_storeu_ps(out + h * d + j0 + 8 * c, acc[h][c]);
 }
 
 /* out [nh, d] = weights [nh, len] times the values (query head h reads kv head h / group at
- * values + (h / group) * d): per kv head, tiles of up to 4 of its query heads by 16 channels. */
+ * values + (h / group) * d): per kv head, tiles of up to 4 of its query heads by 16 channels,
+ * or of up to 3 by 32 (fewer passes over the positions, two lines of each row per pass). */
 static void vector_values(const float *weights, int64_t nh, int64_t group, int64_t d,
                           const float *values, int64_t row, slot_walk walk, int64_t len,
                           float *out)
 {
     for (int64_t g0 = 0; g0 < nh; g0 += group) {
         const float *vg = values + (g0 / group) * d;
-        for (int64_t h0 = g0; h0 < g0 + group; h0 += 4) {
-            const int64_t hn = g0 + group - h0 < 4 ? g0 + group - h0 : 4;
+        const int64_t step = group % 4 == 0 ? 4 : 3; /* query heads per tile */
+        for (int64_t h0 = g0; h0 < g0 + group; h0 += step) {
+            const int64_t hn = g0 + group - h0 < step ? g0 + group - h0 : step;
             const float *w = weights + h0 * len;
             float *o = out + h0 * d;
-            for (int64_t j0 = 0; j0 < d; j0 += 16) {
-                const int wide = d - j0 >= 16;
+            for (int64_t j0 = 0; j0 < d;) {
+                const int64_t left = d - j0;
+                const int64_t width = hn <= 3 && left >= 32 ? 32 : left >= 16 ? 16 : 8;
                 const float *pf = g0 == 0 && h0 == 0 && j0 == 0 ? values : NULL;
 #define RS_VALUE_TILE(HN)                                                                    \
-    (wide ? value_tile(HN, 16, w, len, vg, row, walk, j0, o, d, pf, nh / group * d)         \
-          : value_tile(HN, 8, w, len, vg, row, walk, j0, o, d, pf, nh / group * d))
+    (width == 32 ? value_tile(HN, 32, w, len, vg, row, walk, j0, o, d, pf, nh / group * d)  \
+     : width == 16 ? value_tile(HN, 16, w, len, vg, row, walk, j0, o, d, pf, nh / group * d) \
+                   : value_tile(HN, 8, w, len, vg, row, walk, j0, o, d, pf, nh / group * d))
                 switch (hn) {
                 case 4: RS_VALUE_TILE(4); break;
                 case 3: RS_VALUE_TILE(3); break;
@@ -225,6 +230,7 @@ static void vector_values(const float *weights, int64_t nh, int64_t group, int64
                 default: RS_VALUE_TILE(1); break;
                 }
 #undef RS_VALUE_TILE
+                j0 += width;
             }
         }
     }
