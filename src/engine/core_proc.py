@@ -111,6 +111,14 @@ class OutputThreadDied(BaseException):
     longer answer, so the process exits 1 (not an Exception: no fault handler catches it)."""
 
 
+class _OutputDied:
+    """The input-queue marker of the output thread's death (see `_interrupt_main`)."""
+
+
+_OUTPUT_DIED = _OutputDied()
+_output_died_raised = threading.Event()
+
+
 def _interrupt_main() -> None:
     # To the main thread itself: a process-directed signal may land on another thread, and
     # the main thread, blocked waiting for input, would then never run the handler.
@@ -120,7 +128,11 @@ def _interrupt_main() -> None:
 
 
 def raise_output_died(signum: int, frame: Any) -> None:
-    """The SIGUSR1 handler the process installs (`core_main`): the output thread died."""
+    """The SIGUSR1 handler the process installs (`core_main`): the output thread died.
+    Raises once: the signal and the input-queue marker may both arrive."""
+    if _output_died_raised.is_set():
+        return
+    _output_died_raised.set()
     raise OutputThreadDied("the engine core's output thread died")
 
 
@@ -183,7 +195,8 @@ class EngineCoreProc:
             coordinator_addr=(topology.coordinator_input or None) if topology else None,
             secure=secure)
         self.input_queue: queue.Queue[
-            CoreInput | _ExecutorFailed | _Wake | _WaveStarted | _PeerFaulted | _ClientGone,
+            CoreInput | _ExecutorFailed | _Wake | _WaveStarted | _PeerFaulted | _ClientGone
+            | _OutputDied,
         ] = queue.Queue()
         self.waves: WaveSync | None = None
         # Unbounded on purpose: the busy loop must never block on output; the output thread
@@ -203,7 +216,7 @@ class EngineCoreProc:
         self._executor_class = executor_class
         # Set (with the main thread interrupted) when the output thread dies.
         self.output_error: BaseException | None = None
-        self._on_output_failure = on_output_failure or _interrupt_main
+        self._on_output_failure = on_output_failure or self._interrupt_main
 
     def send(self, client: int, message: Any) -> None:
         """Queue `message` for frontend `client` (the output thread sends it)."""
@@ -250,6 +263,13 @@ class EngineCoreProc:
             self.send(client, EngineCoreOutputs(engine_index=self.engine_index,
                                                 outputs=[failed],
                                                 finished_requests=[failed.request_id]))
+
+    def _interrupt_main(self) -> None:
+        # The signal interrupts a main thread inside a step. One that is about to block on the
+        # input queue can miss it (the handler only runs once the thread is back in Python:
+        # a signal landing just before the wait leaves it asleep), so the queue wakes it too.
+        self.input_queue.put(_OUTPUT_DIED)
+        _interrupt_main()
 
     def _output_thread(self) -> None:
         def on_sent(seconds: float) -> None:
@@ -367,9 +387,12 @@ class EngineCoreProc:
             self._handle(message)
 
     def _handle(self, message: CoreInput | _ExecutorFailed | _Wake | _WaveStarted
-                | _PeerFaulted | _ClientGone) -> None:
+                | _PeerFaulted | _ClientGone | _OutputDied) -> None:
         core = self.core
         assert core is not None  # run_busy_loop checked it
+        if message is _OUTPUT_DIED:
+            raise_output_died(signal.SIGUSR1, None)
+            return
         if message is _WAKE:
             return  # a grammar compiled: the loop's next step admits its request
         if isinstance(message, _WaveStarted):

@@ -125,19 +125,28 @@ async def test_pause_abort_ends_every_stream_at_once(tiny_llama_dir: Path) -> No
         assert stats["kv_cache_usage"] == 0.0
 
 
+@pytest.mark.parametrize("signal_lost", [False, True], ids=["signalled", "signal-lost"])
 def test_a_dead_output_thread_ends_the_core_with_status_1(
-        tiny_llama_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        tiny_llama_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        signal_lost: bool) -> None:
     # The core process imports this sitecustomize: its `ping` answers with a value the wire
-    # cannot encode, so the output thread's encode raises.
+    # cannot encode, so the output thread's encode raises. signal-lost: the SIGUSR1 to the
+    # main thread never comes (as when it lands just before the main thread blocks on its
+    # input queue, which a CI run hit): the input queue's marker alone must end the core.
     (tmp_path / "sitecustomize.py").write_text(textwrap.dedent("""
         import os
         if os.environ.get("RINGSERVE_TEST_UNENCODABLE_PING"):
             from ringserve.engine.core import EngineCore
             EngineCore.ping = lambda self: object()
+        if os.environ.get("RINGSERVE_TEST_SIGNAL_LOST"):
+            import ringserve.engine.core_proc as core_proc
+            core_proc._interrupt_main = lambda: None
     """))
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(
         p for p in (str(tmp_path), os.environ.get("PYTHONPATH")) if p))
     monkeypatch.setenv("RINGSERVE_TEST_UNENCODABLE_PING", "1")
+    if signal_lost:
+        monkeypatch.setenv("RINGSERVE_TEST_SIGNAL_LOST", "1")
     mp = SyncMPClient(_config(tiny_llama_dir), executor="null")
     try:
         # In a thread with a deadline: a core that failed to exit must fail the test, not
