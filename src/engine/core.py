@@ -15,15 +15,15 @@ import time
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
-from typing import Any, Literal
+from typing import Any
 
 import msgspec
 
-from ringserve import envs
 from ringserve.config import EngineConfig
 from ringserve.engine.metrics.expert_load import WORKER_METHOD as EXPERT_LOAD_METHOD
 from ringserve.engine.metrics.expert_load import ExpertLoadPuller
 from ringserve.engine.metrics.flops import ModelFlops
+from ringserve.engine.pause_sleep import PauseMode, PauseSleepMixin
 from ringserve.engine.sched.scheduler import Scheduler
 from ringserve.engine.structured.manager import AllowAll, StructuredOutputManager
 from ringserve.engine.weight_sync import WEIGHT_SYNC_UTILITIES, WeightSyncMixin
@@ -41,8 +41,6 @@ from ringserve.gpu.wire import GrammarOutput, ModelRunnerOutput, SchedulerOutput
 
 logger = logging.getLogger(__name__)
 
-PauseMode = Literal["keep", "abort", "wait"]
-
 # The grammar row of a request that finished since its step was scheduled.
 _FINISHED = AllowAll()
 
@@ -53,7 +51,7 @@ UTILITY_METHODS = frozenset({
 })
 
 
-class EngineCore(WeightSyncMixin):
+class EngineCore(WeightSyncMixin, PauseSleepMixin):
     """Scheduler + executor for one engine (one data-parallel rank).
 
     Args:
@@ -429,69 +427,6 @@ class EngineCore(WeightSyncMixin):
         if version is not None and not isinstance(version, str):
             raise ValueError(f"weight version: expected a string or None, got {version!r}")
         self.weight_version = version
-
-    def pause(self, mode: str = "keep") -> None:
-        """Stop scheduling: `keep` holds requests, `abort` aborts them, `wait` drains them."""
-        if mode not in ("keep", "abort", "wait"):
-            raise ValueError(f"pause mode: got {mode!r}, allowed: keep, abort, wait")
-        if mode == "abort":
-            # Their clients did not ask for it: each gets a final output (finish reason
-            # abort), sent with the next step's outputs.
-            self.scheduler.finish_requests(list(self.scheduler.requests), FinishReason.ABORT,
-                                           notify=True)
-            held, self._held = self._held, []
-            for request in held:
-                self.scheduler.reject_request(request, None)
-        self.pause_mode = mode  # type: ignore[assignment]
-
-    def resume(self) -> None:
-        """Undo `pause`; requests that arrived meanwhile are queued now (unless asleep)."""
-        self.pause_mode = None
-        self._release_held()
-
-    def _release_held(self) -> None:
-        if self.pause_mode is not None or self.sleep_level:
-            return
-        held, self._held = self._held, []
-        for request in held:
-            self._add_to_scheduler(request)
-
-    def sleep(self, level: int = 1) -> None:
-        """Free device memory: level 1 the KV cache, level 2 also the weights.
-
-        Raises:
-            ValueError: requests are in flight (abort them, or pause with mode "wait" and
-                let them finish), or a level other than 1 or 2.
-        """
-        if level not in (1, 2):
-            raise ValueError(f"sleep level: got {level!r}, allowed: 1 (KV cache) or 2 (+ weights)")
-        busy = self.scheduler.get_num_unfinished_requests()
-        if busy:
-            raise ValueError(f"sleep: {busy} requests are in flight; abort them or "
-                             "pause(mode='wait') until they finish")
-        self.drain()
-        self._worker_call("sleep", (level,), self.step_timeout)
-        self.scheduler.reset_prefix_cache()  # the cached blocks' contents are gone
-        self.sleep_level = max(self.sleep_level, level)
-
-    def wake_up(self) -> None:
-        """Undo `sleep`: weights and KV cache back; held requests are queued."""
-        if self.sleep_level:
-            # Level 2 reloads the weights: allow what a start-up load is allowed.
-            timeout = self.step_timeout
-            if timeout is not None and self.sleep_level == 2:
-                timeout = max(timeout, envs.engine_ready_timeout_s())
-            self._worker_call("wake_up", (self.served_weights_path(),), timeout)
-        self.sleep_level = 0
-        self._release_held()
-
-    def is_sleeping(self) -> int:
-        """The current sleep level (0: awake)."""
-        return self.sleep_level
-
-    def is_paused(self) -> bool:
-        """True while paused."""
-        return self.pause_mode is not None
 
     def reset_prefix_cache(self) -> bool:
         """Drop every cached prefix block not in use; False when some are still in use."""

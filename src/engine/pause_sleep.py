@@ -1,0 +1,96 @@
+"""Pause / resume and sleep / wake-up of the engine core: utility methods of `EngineCore`
+(a mixin; its state lives there).
+
+While paused (`keep` holds the requests in place, `abort` ends them, `wait` lets them finish
+and admits nothing new) or asleep (level 1 frees the KV cache, level 2 the weights too), new
+requests are held and queued on `resume()` / `wake_up()`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, Literal
+
+from ringserve import envs
+from ringserve.engine.sched.scheduler import Scheduler
+from ringserve.engine.wire import EngineCoreOutputs, EngineCoreRequest, FinishReason
+
+PauseMode = Literal["keep", "abort", "wait"]
+
+
+class PauseSleepMixin:
+    """`pause`, `resume`, `is_paused`, `sleep`, `wake_up` and `is_sleeping` for `EngineCore`."""
+
+    scheduler: Scheduler
+    pause_mode: PauseMode | None
+    sleep_level: int
+    step_timeout: float | None
+    _held: list[EngineCoreRequest]  # requests that arrived while paused / asleep
+    # EngineCore's:
+    drain: Callable[[], dict[int, EngineCoreOutputs]]
+    _add_to_scheduler: Callable[[EngineCoreRequest], None]
+    _worker_call: Callable[..., list[Any]]
+    served_weights_path: Callable[[], str | None]
+
+    def pause(self, mode: str = "keep") -> None:
+        """Stop scheduling: `keep` holds requests, `abort` aborts them, `wait` drains them."""
+        if mode not in ("keep", "abort", "wait"):
+            raise ValueError(f"pause mode: got {mode!r}, allowed: keep, abort, wait")
+        if mode == "abort":
+            # Their clients did not ask for it: each gets a final output (finish reason
+            # abort), sent with the next step's outputs.
+            self.scheduler.finish_requests(list(self.scheduler.requests), FinishReason.ABORT,
+                                           notify=True)
+            held, self._held = self._held, []
+            for request in held:
+                self.scheduler.reject_request(request, None)
+        self.pause_mode = mode  # type: ignore[assignment]
+
+    def resume(self) -> None:
+        """Undo `pause`; requests that arrived meanwhile are queued now (unless asleep)."""
+        self.pause_mode = None
+        self._release_held()
+
+    def _release_held(self) -> None:
+        if self.pause_mode is not None or self.sleep_level:
+            return
+        held, self._held = self._held, []
+        for request in held:
+            self._add_to_scheduler(request)
+
+    def sleep(self, level: int = 1) -> None:
+        """Free device memory: level 1 the KV cache, level 2 also the weights.
+
+        Raises:
+            ValueError: requests are in flight (abort them, or pause with mode "wait" and
+                let them finish), or a level other than 1 or 2.
+        """
+        if level not in (1, 2):
+            raise ValueError(f"sleep level: got {level!r}, allowed: 1 (KV cache) or 2 (+ weights)")
+        busy = self.scheduler.get_num_unfinished_requests()
+        if busy:
+            raise ValueError(f"sleep: {busy} requests are in flight; abort them or "
+                             "pause(mode='wait') until they finish")
+        self.drain()
+        self._worker_call("sleep", (level,), self.step_timeout)
+        self.scheduler.reset_prefix_cache()  # the cached blocks' contents are gone
+        self.sleep_level = max(self.sleep_level, level)
+
+    def wake_up(self) -> None:
+        """Undo `sleep`: weights and KV cache back; held requests are queued."""
+        if self.sleep_level:
+            # Level 2 reloads the weights: allow what a start-up load is allowed.
+            timeout = self.step_timeout
+            if timeout is not None and self.sleep_level == 2:
+                timeout = max(timeout, envs.engine_ready_timeout_s())
+            self._worker_call("wake_up", (self.served_weights_path(),), timeout)
+        self.sleep_level = 0
+        self._release_held()
+
+    def is_sleeping(self) -> int:
+        """The current sleep level (0: awake)."""
+        return self.sleep_level
+
+    def is_paused(self) -> bool:
+        """True while paused."""
+        return self.pause_mode is not None
