@@ -127,13 +127,17 @@ def _interrupt_main() -> None:
     signal.pthread_kill(main, signal.SIGUSR1)
 
 
-def raise_output_died(signum: int, frame: Any) -> None:
-    """The SIGUSR1 handler the process installs (`core_main`): the output thread died.
-    Raises once: the signal and the input-queue marker may both arrive."""
+def _raise_output_died_once() -> None:
+    # The signal and the input-queue marker may both arrive: the second is a no-op.
     if _output_died_raised.is_set():
         return
     _output_died_raised.set()
     raise OutputThreadDied("the engine core's output thread died")
+
+
+def raise_output_died(signum: int, frame: Any) -> None:
+    """The SIGUSR1 handler the process installs (`core_main`): the output thread died."""
+    _raise_output_died_once()
 
 
 def undecodable_request(body: Any, error: Exception) -> EngineCoreOutput | None:
@@ -391,7 +395,7 @@ class EngineCoreProc:
         core = self.core
         assert core is not None  # run_busy_loop checked it
         if message is _OUTPUT_DIED:
-            raise_output_died(signal.SIGUSR1, None)
+            _raise_output_died_once()
             return
         if message is _WAKE:
             return  # a grammar compiled: the loop's next step admits its request

@@ -132,7 +132,7 @@ def test_a_dead_output_thread_ends_the_core_with_status_1(
     # The core process imports this sitecustomize: its `ping` answers with a value the wire
     # cannot encode, so the output thread's encode raises. signal-lost: the SIGUSR1 to the
     # main thread never comes (as when it lands just before the main thread blocks on its
-    # input queue, which a CI run hit): the input queue's marker alone must end the core.
+    # input queue, which a local scripts/test run hit): the input queue's marker alone must end the core.
     (tmp_path / "sitecustomize.py").write_text(textwrap.dedent("""
         import os
         if os.environ.get("RINGSERVE_TEST_UNENCODABLE_PING"):
