@@ -10,7 +10,8 @@ where it has one) and times B concurrent greedy streams of --prompt-len random t
 (end of sequence ignored), `generate` at max_tokens 1 and at 1 + --steps after a warm-up
 call of each (the prompts are prefix-cached): ms per token = the difference / --steps, --reps times
 per child; every output's token count is checked. The trees alternate for --rounds rounds;
-the figure per tree is the median over every repetition of every round, with the range.
+the figure per tree is the median over every repetition of every round, with the range, and
+the speed-up is also given paired by round (each round's two medians, taken back to back).
 
     .venv/bin/python scripts/bench_decode_ab.py [--baseline c903fc4] [--batch 32]
         [--prompt-len 64] [--steps 16] [--reps 3] [--rounds 3] [--threads 2] [--json PATH]
@@ -130,15 +131,19 @@ def main() -> None:
               "reps": args.reps}
     base = worktree(args.baseline)
     results: dict[str, list[float]] = {"baseline": [], "this tree": []}
+    ratios: list[float] = []  # per round: the baseline's median over this tree's
     load = [os.getloadavg()[0]]
     start = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime())
     for r in range(args.rounds):
         order = [("baseline", base), ("this tree", None)]
+        medians = {}
         for name, tree in order if r % 2 == 0 else order[::-1]:
             times = run_child(tree, params, args.threads)
             results[name] += times
+            medians[name] = statistics.median(times)
             print(f"round {r + 1} {name}: {', '.join(f'{t:.1f}' for t in times)} ms/token",
                   file=sys.stderr, flush=True)
+        ratios.append(medians["baseline"] / medians["this tree"])
     load.append(os.getloadavg()[0])
     base_ms = statistics.median(results["baseline"])
     ours_ms = statistics.median(results["this tree"])
@@ -150,10 +155,13 @@ def main() -> None:
     for name, ms in (("baseline " + args.baseline, base_ms), ("this tree", ours_ms)):
         key = "baseline" if name.startswith("baseline") else "this tree"
         print(f"| {name} | {summary(results[key])} | {1e3 * args.batch / ms:.0f} |")
-    print(f"speed-up (median over median): {base_ms / ours_ms:.2f}x")
+    print(f"speed-up (median over median): {base_ms / ours_ms:.2f}x; paired by round (the two "
+          f"trees' medians of one round, run back to back, so a drift of the machine over the "
+          f"run cancels): median {statistics.median(ratios):.2f}x "
+          f"({min(ratios):.2f}-{max(ratios):.2f}) over {len(ratios)} rounds")
     if args.json is not None:
         args.json.write_text(json.dumps({"params": params, "baseline": args.baseline,
-                                         "results": results}, indent=1))
+                                         "results": results, "round_ratios": ratios}, indent=1))
 
 
 if __name__ == "__main__":

@@ -209,10 +209,11 @@ static void tile6(const float *x, int64_t ldx, const float *p, int64_t k, float 
  * is 4 to 8 rows of one accumulator each, one load of the panel row and one FMA with an
  * embedded broadcast per row and input. Each output is the same single chain of FMAs as in
  * the 2 .. 6-row tiles above, so the results are bit-identical to theirs; fewer than 4 rows
- * keep those tiles (with one chain per row the FMA latency would bound them). 8 rows per
- * tile against 6: 32 rows x the 135M shape's 120 linears, 2 threads, 40.7 -> 35.2 ms
- * (167 -> 193 GFLOP/s); taller tiles were slower (16 rows: 150 GFLOP/s, with or without
- * blocking the inputs for L1). */
+ * keep those tiles (with one chain per row the FMA latency would bound them). The 135M
+ * shape's 120 linears at 32 rows, 2 threads: 45.3 -> 35.9 ms (150 -> 189 GFLOP/s; the LM
+ * head 158 -> 194); taller tiles were slower (16 rows: 150 GFLOP/s against 193 for 8 in the
+ * same run, with or without blocking the inputs for L1). See docs/benchmarks.md, issue 17's
+ * seventh pass. */
 #define Z_ROWS 8
 #define Z_MIN 4
 
