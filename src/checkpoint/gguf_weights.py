@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from ringserve.checkpoint import gguf_int4
 from ringserve.checkpoint.gguf_header import TensorInfo
 from ringserve.errors import ModelDirectoryError
 
@@ -143,7 +144,12 @@ def read_tensor(path: Path, handle: io.BufferedReader, tensor: TensorInfo) -> to
     else:
         values = gguf.quants.dequantize(raw.reshape(-1, row // block * type_size), qtype)
     array = np.ascontiguousarray(values, dtype=np.float32).reshape(tensor.shape)
-    return torch.from_numpy(array)
+    weight = torch.from_numpy(array)
+    if qtype.name in gguf_int4.INT4_TYPES and len(tensor.shape) == 2:
+        # An int4 layer keeps these codes (decoded only if one asks).
+        shape = (int(tensor.shape[0]), int(tensor.shape[1]))
+        gguf_int4.attach(weight, lambda: gguf_int4.decode(raw, qtype.name, shape))
+    return weight
 
 
 def unpermute(weight: torch.Tensor, n_head: int) -> torch.Tensor:
@@ -175,8 +181,22 @@ def iterate_weights(
             if name is None:
                 continue
             weight = read_tensor(path, handle, tensor)
-            if permuted and ".self_attn.q_proj." in name:
-                weight = unpermute(weight, heads)
-            elif permuted and ".self_attn.k_proj." in name:
-                weight = unpermute(weight, kv_heads)
+            n_head = (heads if ".self_attn.q_proj." in name
+                      else kv_heads if ".self_attn.k_proj." in name else 0)
+            if permuted and n_head:
+                weight = _unpermuted(weight, n_head)
             yield name, weight
+
+
+def _unpermuted(weight: torch.Tensor, n_head: int) -> torch.Tensor:
+    """`unpermute`, carrying the int4 codes `weight` may have along (in the same order)."""
+    out = unpermute(weight, n_head)
+    if not gguf_int4.carries(weight):
+        return out
+
+    def decoder() -> gguf_int4.Int4Blocks:
+        blocks = gguf_int4.attached(weight)
+        assert blocks is not None
+        return blocks.map_rows(lambda t: unpermute(t, n_head))
+
+    return gguf_int4.attach(out, decoder)

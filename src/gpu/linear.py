@@ -31,6 +31,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ringserve.checkpoint import gguf_int4
+from ringserve.checkpoint.gguf_int4 import Int4Blocks
 from ringserve.gpu import panel_native
 from ringserve.gpu.panel_native import PanelWeight
 from ringserve.gpu.parallel import TPGroup
@@ -136,6 +138,10 @@ class ColumnParallelLinear(nn.Module):
         )
         self.packed: torch.Tensor | None = None
         self.panel: PanelWeight | None = None
+        # int4: rows loaded from a GGUF file's 4-bit blocks, kept as they are (row offset,
+        # codes); `rows_as_is` counts them once quantized.
+        self._as_is: list[tuple[int, Int4Blocks]] = []
+        self.rows_as_is = 0
 
     def process_weights_after_loading(self) -> None:
         """Pack the loaded weight for this device's fastest GEMM, or quantize it (see the
@@ -149,7 +155,8 @@ class ColumnParallelLinear(nn.Module):
             ValueError: the shard's shape or device does not suit the quantization method.
         """
         self.packed, self.panel, self.weight = _finish_weight(
-            self.weight, self.bias, self.quantization)
+            self.weight, self.bias, self.quantization, self._as_is)
+        self.rows_as_is, self._as_is = sum(b.codes.shape[0] for _, b in self._as_is), []
 
     def _shard_index(self, shard_id: int) -> int:
         n = self.shard_ranks[shard_id]
@@ -170,6 +177,11 @@ class ColumnParallelLinear(nn.Module):
         full = size * self.shard_ranks[shard_id]
         check_shape(loaded, (full, _weight_shape(self)[1]) if name == "weight" else (full,))
         src = loaded.narrow(0, self._shard_index(shard_id) * size, size)
+        if name == "weight" and _keeps_int4_blocks(self, loaded):
+            blocks = gguf_int4.attached(loaded)
+            assert blocks is not None
+            self._as_is.append((self.offsets[shard_id],
+                                blocks.rows(self._shard_index(shard_id) * size, size)))
         if name == "weight" and _loads_into_panel(self):
             assert self.panel is not None
             panel_native.pack_rows(_library(), src, self.panel.data, self.offsets[shard_id])
@@ -207,12 +219,16 @@ class RowParallelLinear(nn.Module):
         )
         self.packed: torch.Tensor | None = None
         self.panel: PanelWeight | None = None
+        self._as_is: list[tuple[int, Int4Blocks]] = []  # as in ColumnParallelLinear
+        self.rows_as_is = 0
 
     def process_weights_after_loading(self) -> None:
         """See `ColumnParallelLinear.process_weights_after_loading` (the bias is folded into
         the panels at world size 1 only: with more ranks it is added after the reduction)."""
         self.packed, self.panel, self.weight = _finish_weight(
-            self.weight, self.bias if self.tp.world_size == 1 else None, self.quantization)
+            self.weight, self.bias if self.tp.world_size == 1 else None, self.quantization,
+            self._as_is)
+        self.rows_as_is, self._as_is = sum(b.codes.shape[0] for _, b in self._as_is), []
 
     def load(self, name: str, loaded: torch.Tensor, shard_id: int = 0) -> None:
         """Copy this rank's columns of the weight (or the whole bias)."""
@@ -228,6 +244,11 @@ class RowParallelLinear(nn.Module):
         check_shape(loaded, (out_features, self.local_in * self.tp.world_size))
         start = self.tp.rank * self.local_in
         shard = loaded.narrow(1, start, self.local_in)
+        if _keeps_int4_blocks(self, loaded):
+            blocks = gguf_int4.attached(loaded)
+            assert blocks is not None
+            columns = blocks.columns(start, self.local_in)  # None: a shard splits a group
+            self._as_is = [] if columns is None else [(0, columns)]
         if _loads_into_panel(self):
             assert self.panel is not None
             panel_native.pack_rows(_library(), shard, self.panel.data, 0)
@@ -308,14 +329,23 @@ def _checked_method(quantization: str | None) -> str | None:
     return quantization
 
 
-def _finish_weight(weight: nn.Parameter, bias: nn.Parameter | None, quantization: str | None
+def _keeps_int4_blocks(layer: ColumnParallelLinear | RowParallelLinear,
+                       loaded: torch.Tensor) -> bool:
+    """Whether `layer` takes the GGUF 4-bit codes `loaded` carries (an int4 float32 layer)."""
+    return (layer.quantization == "int4" and layer.weight.dtype == torch.float32
+            and gguf_int4.carries(loaded))
+
+
+def _finish_weight(weight: nn.Parameter, bias: nn.Parameter | None, quantization: str | None,
+                   as_is: list[tuple[int, Int4Blocks]] | None = None,
                    ) -> tuple[torch.Tensor | None, PanelWeight | None, nn.Parameter]:
     """(oneDNN's packed copy, the panels with `bias` folded in, the weight to keep) after
-    loading: panels for a quantized layer and for float32 CPU weights when the C library
-    loads, oneDNN's copy otherwise (the plain weight is dropped either way where possible)."""
+    loading: panels for a quantized layer (int4 rows in `as_is` keep their GGUF codes) and for
+    float32 CPU weights when the C library loads, oneDNN's copy otherwise (the plain weight is
+    dropped either way where possible)."""
     empty = nn.Parameter(torch.empty(0, dtype=weight.dtype), requires_grad=False)
     if quantization is not None:
-        return None, quantize(weight.data, quantization).with_bias(bias), empty
+        return None, quantize(weight.data, quantization, as_is or ()).with_bias(bias), empty
     if (weight.device.type == "cpu" and weight.dtype == torch.float32
             and panel_native.load_library() is not None):
         return None, panel_native.pack_f32(weight.data, bias), empty

@@ -22,11 +22,13 @@ kernels are tested against.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
+from ringserve.checkpoint.gguf_int4 import Int4Blocks
 from ringserve.config import QUANTIZATION_METHODS
 from ringserve.gpu import panel_native
 from ringserve.gpu.panel_native import PANEL, PanelWeight
@@ -112,16 +114,36 @@ def pack(q: QuantCodes) -> PanelWeight:
     return PanelWeight("int4", n, k, data, scales, mins)
 
 
-def quantize(weight: torch.Tensor, method: str) -> PanelWeight:
+def quantize(weight: torch.Tensor, method: str,
+             as_is: Iterable[tuple[int, Int4Blocks]] = ()) -> PanelWeight:
     """`pack(quantize_codes(weight, method))`: what a linear layer keeps (add its bias with
     `PanelWeight.with_bias`, so the kernel adds it).
 
+    Args:
+        weight: the float weight [N, K].
+        method: "int8" or "int4".
+        as_is: int4 only: (first row, codes) of rows loaded from a GGUF file's 4-bit blocks
+            (`ringserve.checkpoint.gguf_int4`), packed as they are instead of rounded from
+            their floats (int4 rounds each row's groups on their own, so the rest of the
+            weight is unaffected).
+
     Raises:
-        ValueError: as `quantize_codes`, or a weight not on the CPU.
+        ValueError: as `quantize_codes`, a weight not on the CPU, or codes that do not fit.
     """
     if weight.device.type != "cpu":
         raise ValueError(f"quantization {method}: runs on CPU only (weight on {weight.device})")
-    return pack(quantize_codes(weight, method))
+    q = quantize_codes(weight, method)
+    for row0, blocks in as_is:
+        rows = blocks.codes.shape[0]
+        if method != "int4" or blocks.codes.shape[1] != q.codes.shape[1] \
+                or row0 + rows > q.codes.shape[0]:
+            raise ValueError(f"quantization {method}: 4-bit codes {list(blocks.codes.shape)} "
+                             f"at row {row0} do not fit a weight of {list(q.codes.shape)}")
+        assert q.mins is not None
+        q.codes[row0:row0 + rows] = blocks.codes.to(q.codes.dtype)
+        q.scales[row0:row0 + rows] = blocks.scales.to(q.scales.dtype)
+        q.mins[row0:row0 + rows] = blocks.mins.to(q.mins.dtype)
+    return pack(q)
 
 
 def dequantize(q: QuantCodes) -> torch.Tensor:

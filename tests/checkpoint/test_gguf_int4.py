@@ -1,0 +1,104 @@
+"""GGUF 4-bit blocks loaded as they are under `--quantization int4` (issue 17, item 4): the
+block decoder against gguf-py's reference dequantizer (Q4_0, Q4_1, Q4_K), shards of the codes,
+and a tiny Llama exported as Q4_0 / Q4_1 whose int4 panels hold exactly the file's weights."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from gguf_export import export_gguf
+
+from ringserve.checkpoint import gguf_int4
+from ringserve.engine.arg_utils import EngineArgs
+from ringserve.gpu import panel_native, quant
+from ringserve.gpu.linear import ColumnParallelLinear, RowParallelLinear
+from ringserve.gpu.model_runner import ModelRunner
+from ringserve.gpu.testing import tiny_model
+
+Q = gguf.GGMLQuantizationType
+
+
+def _random_q4k(rows: int, cols: int, seed: int) -> np.ndarray:
+    """Raw Q4_K blocks with random codes and 6-bit scales and sane f16 d / dmin."""
+    rng = np.random.default_rng(seed)
+    blocks = rng.integers(0, 256, size=(rows * cols // 256, 144), dtype=np.uint8)
+    blocks[:, 0:2] = rng.uniform(0.001, 0.01, (blocks.shape[0], 1)).astype(np.float16).view(
+        np.uint8)
+    blocks[:, 2:4] = rng.uniform(0.001, 0.01, (blocks.shape[0], 1)).astype(np.float16).view(
+        np.uint8)
+    return blocks.reshape(-1)
+
+
+@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1, Q.Q4_K], ids=lambda q: q.name)
+def test_decoded_codes_dequantize_exactly_as_gguf_py(qtype: gguf.GGMLQuantizationType) -> None:
+    rows, cols = 6, 512
+    if qtype == Q.Q4_K:  # gguf-py cannot quantize K-quants: random blocks
+        raw = _random_q4k(rows, cols, 3)
+    else:
+        weight = np.random.default_rng(1).standard_normal((rows, cols)).astype(np.float32)
+        raw = gguf.quants.quantize(weight, qtype).reshape(-1)
+    blocks = gguf_int4.decode(raw, qtype.name, (rows, cols))
+    assert blocks.codes.dtype == torch.uint8 and int(blocks.codes.max()) <= 15
+    assert blocks.scales.shape == blocks.mins.shape == (rows, cols // 32)
+    want = gguf.quants.dequantize(raw.reshape(rows, -1), qtype)
+    assert torch.equal(blocks.dequantize(), torch.from_numpy(np.asarray(want, np.float32)))
+
+
+def test_decode_refuses_other_types_and_sizes() -> None:
+    with pytest.raises(ValueError, match="Q8_0 blocks hold no int4 codes"):
+        gguf_int4.decode(np.zeros(34, np.uint8), "Q8_0", (1, 32))
+    with pytest.raises(ValueError, match="bytes of Q4_1"):
+        gguf_int4.decode(np.zeros(19, np.uint8), "Q4_1", (1, 32))
+
+
+def test_shards_of_the_codes() -> None:
+    raw = gguf.quants.quantize(np.random.default_rng(2).standard_normal((8, 128)).astype(
+        np.float32), Q.Q4_1).reshape(-1)
+    blocks = gguf_int4.decode(raw, "Q4_1", (8, 128))
+    full = blocks.dequantize()
+    assert torch.equal(blocks.rows(2, 3).dequantize(), full[2:5])
+    half = blocks.columns(64, 64)
+    assert half is not None and torch.equal(half.dequantize(), full[:, 64:])
+    assert blocks.columns(48, 64) is None  # a shard that splits a group of 32 keeps none
+
+
+def _runner(path: Path, quantization: str | None) -> ModelRunner:
+    config = EngineArgs(model=str(path), max_model_len=64, max_num_seqs=4, device="cpu",
+                        quantization=quantization).create_engine_config()
+    runner = ModelRunner(config, torch.device("cpu"), attention_backend="torch")
+    runner.load_model()
+    return runner
+
+
+def _linears(runner: ModelRunner) -> dict[str, ColumnParallelLinear | RowParallelLinear]:
+    return {name: m for name, m in runner.model.named_modules()
+            if isinstance(m, ColumnParallelLinear | RowParallelLinear)}
+
+
+@pytest.mark.skipif(panel_native.load_library() is None, reason="no C compiler with OpenMP")
+@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1], ids=lambda q: q.name)
+def test_int4_layers_keep_the_files_codes(qtype: gguf.GGMLQuantizationType,
+                                          tmp_path: Path) -> None:
+    """Every decoder linear of an int4 model from a Q4 file packs the file's codes: its panels
+    dequantize bit for bit to the float model's weights from the same file (rounding the
+    floats again would move Q4_0's weights: its codes need not span 0..15). The outputs of the
+    layers agree to float32 rounding."""
+    path = export_gguf(tiny_model("llama"), tmp_path / f"llama-{qtype.name}.gguf", qtype=qtype)
+    floats, int4 = _runner(path, None), _runner(path, "int4")
+    float_layers, int4_layers = _linears(floats), _linears(int4)
+    assert float_layers.keys() == int4_layers.keys() and float_layers
+    for name, layer in int4_layers.items():
+        assert layer.panel is not None and layer.panel.format == "int4", name
+        assert layer.rows_as_is == layer.panel.out_features, name
+        reference = float_layers[name].panel
+        assert reference is not None and reference.format == "f32"
+        got = quant.dequantize(quant.unpack(layer.panel))
+        assert torch.equal(got, panel_native.unpack_f32(reference)), name
+    x = torch.randn(3, int4.model_config.hidden_size, generator=torch.Generator().manual_seed(0))
+    for name, layer in int4_layers.items():
+        if layer.panel is not None and layer.panel.in_features == x.shape[1]:
+            torch.testing.assert_close(layer(x), float_layers[name](x), atol=1e-4, rtol=1e-4)
