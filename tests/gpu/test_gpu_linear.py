@@ -136,14 +136,9 @@ def _has_avx512() -> bool:
         return False
 
 
-@needs_library
-@pytest.mark.skipif(not _has_avx512(), reason="no AVX-512: the native build is the AVX2 one")
-def test_avx512_tiles_equal_the_avx2_build_bit_for_bit() -> None:
-    """On an AVX-512 machine the library's 4-8 row tiles (one zmm accumulator per row) run;
-    built with -mno-avx512f, the same sources run the AVX2 tiles (6 rows, two ymm per row).
-    Both sum each output in the same order, so every product equal bit for bit except rows
-    the AVX2 split puts in a 1-row tile (which pairs its inputs); those agree to rounding.
-    This keeps the AVX2 path (the CPU the project targets) tested on AVX-512 machines."""
+@pytest.fixture(scope="module")
+def avx2_library() -> ctypes.CDLL:
+    """The panel library built again with -mno-avx512f: the AVX2 kernels."""
     from ringserve.gpu import native_build
 
     cc = native_build.compiler()
@@ -152,16 +147,35 @@ def test_avx512_tiles_equal_the_avx2_build_bit_for_bit() -> None:
         panel_native.SOURCES, "panel-avx2", cc, [*native_build.OPENMP_FLAGS, "-mno-avx512f"],
         ["-lm"], headers=panel_native.HEADERS)
     avx2.rs_linear.argtypes = LIBRARY.rs_linear.argtypes
+    return avx2
+
+
+@needs_library
+@pytest.mark.skipif(not _has_avx512(), reason="no AVX-512: the native build is the AVX2 one")
+@pytest.mark.parametrize("method", ["f32", "int8", "int4"])
+def test_avx512_tiles_equal_the_avx2_build_bit_for_bit(method: str,
+                                                       avx2_library: ctypes.CDLL) -> None:
+    """On an AVX-512 machine the library's zmm tiles run (float32: 4-8 rows with one
+    accumulator per row; int8 / int4: 16 channels per register); built with -mno-avx512f,
+    the same sources run the AVX2 tiles. Every output is the same sequence of operations in
+    both, so the products are equal bit for bit, except float32 rows that the AVX2 split
+    puts in its 1-row tile (which pairs its inputs); those agree to rounding. This keeps the
+    AVX2 path (the CPU the project targets) tested on AVX-512 machines."""
+    from ringserve.gpu import quant
+
+    assert LIBRARY is not None
     gen = torch.Generator().manual_seed(5)
-    for n, k in [(40, 96), (100, 576), (7, 33)]:
-        panels = panel_native.pack_f32(torch.randn(n, k, generator=gen), None)
+    for n, k in [(40, 96), (100, 576), (7, 64)]:
+        weight = torch.randn(n, k, generator=gen)
+        panels = (panel_native.pack_f32(weight, None) if method == "f32"
+                  else quant.quantize(weight, method))
         for rows in [*range(1, 20), 32, 48, 64, 97]:
             x = torch.randn(rows, k, generator=gen)
             got = [torch.empty(rows, n), torch.empty(rows, n)]
-            for lib, out in zip((LIBRARY, avx2), got, strict=True):
+            for lib, out in zip((LIBRARY, avx2_library), got, strict=True):
                 lib.rs_linear(ctypes.byref(panels.struct), x.data_ptr(), rows, out.data_ptr(), 2)
             blocks = [min(48, rows - i) for i in range(0, rows, 48)]
-            if all(b == 1 or b % 6 != 1 for b in blocks):
-                assert torch.equal(got[0], got[1]), (n, k, rows)
+            if method != "f32" or all(b == 1 or b % 6 != 1 for b in blocks):
+                assert torch.equal(got[0], got[1]), (method, n, k, rows)
             else:
                 torch.testing.assert_close(got[0], got[1], atol=1e-4, rtol=1e-5)
