@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ringserve.checkpoint import gguf_int4
+from ringserve.checkpoint import gguf_codes
 from ringserve.checkpoint.gguf_header import TensorInfo
 from ringserve.errors import ModelDirectoryError
 
@@ -145,10 +145,11 @@ def read_tensor(path: Path, handle: io.BufferedReader, tensor: TensorInfo) -> to
         values = gguf.quants.dequantize(raw.reshape(-1, row // block * type_size), qtype)
     array = np.ascontiguousarray(values, dtype=np.float32).reshape(tensor.shape)
     weight = torch.from_numpy(array)
-    if qtype.name in gguf_int4.INT4_TYPES and len(tensor.shape) == 2:
-        # An int4 layer keeps these codes (decoded only if one asks).
+    method = gguf_codes.METHODS.get(qtype.name)
+    if method is not None and len(tensor.shape) == 2:
+        # A layer quantized by `method` keeps these codes (decoded only if one asks).
         shape = (int(tensor.shape[0]), int(tensor.shape[1]))
-        gguf_int4.attach(weight, lambda: gguf_int4.decode(raw, qtype.name, shape))
+        gguf_codes.attach(weight, method, lambda: gguf_codes.decode(raw, qtype.name, shape))
     return weight
 
 
@@ -189,14 +190,15 @@ def iterate_weights(
 
 
 def _unpermuted(weight: torch.Tensor, n_head: int) -> torch.Tensor:
-    """`unpermute`, carrying the int4 codes `weight` may have along (in the same order)."""
+    """`unpermute`, carrying the codes `weight` may have along (in the same order)."""
     out = unpermute(weight, n_head)
-    if not gguf_int4.carries(weight):
+    method = gguf_codes.method_of(weight)
+    if method is None:
         return out
 
-    def decoder() -> gguf_int4.Int4Blocks:
-        blocks = gguf_int4.attached(weight)
+    def decoder() -> gguf_codes.BlockCodes:
+        blocks = gguf_codes.attached(weight)
         assert blocks is not None
         return blocks.map_rows(lambda t: unpermute(t, n_head))
 
-    return gguf_int4.attach(out, decoder)
+    return gguf_codes.attach(out, method, decoder)

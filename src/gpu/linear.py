@@ -31,8 +31,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ringserve.checkpoint import gguf_int4
-from ringserve.checkpoint.gguf_int4 import Int4Blocks
+from ringserve.checkpoint import gguf_codes
+from ringserve.checkpoint.gguf_codes import BlockCodes
 from ringserve.gpu import panel_native
 from ringserve.gpu.panel_native import PanelWeight
 from ringserve.gpu.parallel import TPGroup
@@ -138,9 +138,9 @@ class ColumnParallelLinear(nn.Module):
         )
         self.packed: torch.Tensor | None = None
         self.panel: PanelWeight | None = None
-        # int4: rows loaded from a GGUF file's 4-bit blocks, kept as they are (row offset,
-        # codes); `rows_as_is` counts them once quantized.
-        self._as_is: list[tuple[int, Int4Blocks]] = []
+        # Rows loaded from a GGUF file's blocks of this layer's method, kept as they are (row
+        # offset, codes); `rows_as_is` counts them once quantized.
+        self._as_is: list[tuple[int, BlockCodes]] = []
         self.rows_as_is = 0
 
     def process_weights_after_loading(self) -> None:
@@ -177,8 +177,8 @@ class ColumnParallelLinear(nn.Module):
         full = size * self.shard_ranks[shard_id]
         check_shape(loaded, (full, _weight_shape(self)[1]) if name == "weight" else (full,))
         src = loaded.narrow(0, self._shard_index(shard_id) * size, size)
-        if name == "weight" and _keeps_int4_blocks(self, loaded):
-            blocks = gguf_int4.attached(loaded)
+        if name == "weight" and _keeps_gguf_codes(self, loaded):
+            blocks = gguf_codes.attached(loaded)
             assert blocks is not None
             self._as_is.append((self.offsets[shard_id],
                                 blocks.rows(self._shard_index(shard_id) * size, size)))
@@ -219,7 +219,7 @@ class RowParallelLinear(nn.Module):
         )
         self.packed: torch.Tensor | None = None
         self.panel: PanelWeight | None = None
-        self._as_is: list[tuple[int, Int4Blocks]] = []  # as in ColumnParallelLinear
+        self._as_is: list[tuple[int, BlockCodes]] = []  # as in ColumnParallelLinear
         self.rows_as_is = 0
 
     def process_weights_after_loading(self) -> None:
@@ -244,8 +244,8 @@ class RowParallelLinear(nn.Module):
         check_shape(loaded, (out_features, self.local_in * self.tp.world_size))
         start = self.tp.rank * self.local_in
         shard = loaded.narrow(1, start, self.local_in)
-        if _keeps_int4_blocks(self, loaded):
-            blocks = gguf_int4.attached(loaded)
+        if _keeps_gguf_codes(self, loaded):
+            blocks = gguf_codes.attached(loaded)
             assert blocks is not None
             columns = blocks.columns(start, self.local_in)  # None: a shard splits a group
             self._as_is = [] if columns is None else [(0, columns)]
@@ -329,18 +329,19 @@ def _checked_method(quantization: str | None) -> str | None:
     return quantization
 
 
-def _keeps_int4_blocks(layer: ColumnParallelLinear | RowParallelLinear,
-                       loaded: torch.Tensor) -> bool:
-    """Whether `layer` takes the GGUF 4-bit codes `loaded` carries (an int4 float32 layer)."""
-    return (layer.quantization == "int4" and layer.weight.dtype == torch.float32
-            and gguf_int4.carries(loaded))
+def _keeps_gguf_codes(layer: ColumnParallelLinear | RowParallelLinear,
+                      loaded: torch.Tensor) -> bool:
+    """Whether `layer` takes the GGUF codes `loaded` carries (a float32 layer quantized by
+    the codes' method)."""
+    return (layer.quantization is not None and layer.weight.dtype == torch.float32
+            and gguf_codes.method_of(loaded) == layer.quantization)
 
 
 def _finish_weight(weight: nn.Parameter, bias: nn.Parameter | None, quantization: str | None,
-                   as_is: list[tuple[int, Int4Blocks]] | None = None,
+                   as_is: list[tuple[int, BlockCodes]] | None = None,
                    ) -> tuple[torch.Tensor | None, PanelWeight | None, nn.Parameter]:
     """(oneDNN's packed copy, the panels with `bias` folded in, the weight to keep) after
-    loading: panels for a quantized layer (int4 rows in `as_is` keep their GGUF codes) and for
+    loading: panels for a quantized layer (rows in `as_is` keep their GGUF codes) and for
     float32 CPU weights when the C library loads, oneDNN's copy otherwise (the plain weight is
     dropped either way where possible)."""
     empty = nn.Parameter(torch.empty(0, dtype=weight.dtype), requires_grad=False)
@@ -360,7 +361,8 @@ def refresh_panel(panel: PanelWeight, weight: torch.Tensor, bias: torch.Tensor |
     if panel.format == "f32":
         panel_native.to_panels(weight.detach().float(), out=panel.data)
     else:
-        fresh = quantize(weight.data, method or panel.format)
+        fresh = quantize(weight.data, method or panel.format.rstrip("g"),
+                         grouped=panel.format == "int8g")
         for mine, new in ((panel.data, fresh.data), (panel.scales, fresh.scales),
                           (panel.mins, fresh.mins)):
             if mine is not None and new is not None:

@@ -8,6 +8,8 @@
  *   RS_F32:  data float [P][k][16]; scales, mins unused.
  *   RS_INT8: data int8 [P][k][16] symmetric codes; scales float [P * 16] per channel
  *            (w = code * scale).
+ *   RS_INT8G: data int8 [P][k][16] as RS_INT8; scales float [P][k / 32][16] per group of 32
+ *            inputs (GGUF's Q8_0 blocks kept as they are; w = code * scale).
  *   RS_INT4: data uint8 [P][k / 2][16]: byte (p, j, l) holds the code of input 2 j in its low
  *            nibble and of input 2 j + 1 in its high nibble; scales and mins float
  *            [P][k / 32][16] per group of 32 inputs (w = code * scale + min).
@@ -20,10 +22,10 @@
 #define RS_PANEL 16
 #define RS_INT4_GROUP 32
 
-enum { RS_F32 = 0, RS_INT8 = 1, RS_INT4 = 2 };
+enum { RS_F32 = 0, RS_INT8 = 1, RS_INT4 = 2, RS_INT8G = 3 };
 
 typedef struct {
-    int64_t format; /* RS_F32, RS_INT8 or RS_INT4 */
+    int64_t format; /* RS_F32, RS_INT8, RS_INT4 or RS_INT8G */
     int64_t n, k;   /* output and input features */
     const void *data;
     const float *scales;
@@ -43,6 +45,8 @@ void rs_int8_panels(const rs_weight *w, const float *x, int64_t m, int64_t ldx, 
                     int64_t ldy, int64_t p0, int64_t p1);
 void rs_int4_panels(const rs_weight *w, const float *x, int64_t m, int64_t ldx, float *y,
                     int64_t ldy, int64_t p0, int64_t p1);
+void rs_int8g_panels(const rs_weight *w, const float *x, int64_t m, int64_t ldx, float *y,
+                     int64_t ldy, int64_t p0, int64_t p1);
 
 /* The kernel of w's format, then the bias, for panels p0 .. p1. */
 void rs_panels(const rs_weight *w, const float *x, int64_t m, int64_t ldx, float *y,

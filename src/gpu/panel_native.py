@@ -39,7 +39,7 @@ HEADERS = (_DIR / "panel.h", _DIR / "fast_exp.h", _DIR / "attention" / "cpu_deco
 
 PANEL = 16  # output channels per panel (RS_PANEL)
 INT4_GROUP = 32  # inputs per int4 scale / min (RS_INT4_GROUP)
-FORMATS = {"f32": 0, "int8": 1, "int4": 2}
+FORMATS = {"f32": 0, "int8": 1, "int4": 2, "int8g": 3}
 
 _lock = threading.Lock()
 _loaded: list[ctypes.CDLL | None] = []
@@ -60,10 +60,10 @@ class PanelWeight:
     """A linear layer's weight in the panel layout (see panel.h), with its bias.
 
     Attributes:
-        format: "f32", "int8" or "int4".
+        format: "f32", "int8", "int4" or "int8g" (int8 with a scale per 32 inputs).
         out_features, in_features: n and k of the logical [n, k] weight.
         data: the panels (float32, int8 or uint8).
-        scales: int8: float32 [P * 16]; int4: float32 [P, k / 32, 16]; f32: None.
+        scales: int8: float32 [P * 16]; int4, int8g: float32 [P, k / 32, 16]; f32: None.
         mins: int4: float32 [P, k / 32, 16]; otherwise None.
         bias: float32 [n] or None.
     """

@@ -1,4 +1,4 @@
-/* The int8 and int4 panel matmuls (layout: panel.h): weight-only, float32 activations.
+/* The int8, int8g and int4 panel matmuls (layout: panel.h): weight-only, float32 activations.
  *
  * Built with panel_f32.c and decode_step.c into one library (ringserve.gpu.panel_native);
  * AVX2 + FMA. As in the float32 kernel, a tile is a few rows of x against one panel of 16
@@ -18,6 +18,13 @@
  * more than the FMAs it feeds: there each block of 128 inputs of a panel is dequantized
  * (code * scale + min) once per chunk of up to 48 rows into a float buffer in L1, which
  * float 6-row tiles then read.
+ *
+ * int8g (int8 with a scale per group of 32 inputs: GGUF's Q8_0 blocks as they are), 1 to 3
+ * rows: per group each row accumulates the dot with the codes, then total += scale * dot; from
+ * 4 rows on, the dequantized path of int4 (per-format group dequantizers, `quant_wide`).
+ *
+ * With AVX-512 the int8 and int4 tiles hold a panel's 16 channels in one zmm register (the
+ * same operations per lane: bit-identical results).
  *
  * Few rows need more independent FMA chains than 2 per row to cover the FMA latency (4 cycles,
  * 2 per cycle on Zen 3), so 1- and 2-row tiles accumulate even and odd inputs (int8), or low
@@ -437,10 +444,37 @@ INLINE void dequantize_group(const uint8_t *pg, const float *s, const float *mn,
     }
 }
 
-/* Up to CHUNK_ROWS rows of x against one int4 panel, channels c0 .. c0 + lanes of y. */
-static void int4_wide(const rs_weight *w, const uint8_t *panel, const float *scales,
-                      const float *mins, const float *x, int64_t rows, int64_t ldx, float *y,
-                      int64_t ldy, int64_t c0, int64_t lanes)
+static void int4_group(const void *codes, const float *s, const float *mn, float *fb)
+{
+    dequantize_group((const uint8_t *)codes, s, mn, fb);
+}
+
+/* One group's 32 x 16 int8 codes at pg times their scales s as floats fb[j][16]. */
+static void int8g_group(const void *codes, const float *s, const float *mn, float *fb)
+{
+    (void)mn;
+    const int8_t *pg = (const int8_t *)codes;
+    const __m256 s0 = _mm256_loadu_ps(s), s1 = _mm256_loadu_ps(s + 8);
+    for (int j = 0; j < RS_INT4_GROUP; j++) {
+        if (j % 4 == 0)
+            _mm_prefetch((const char *)(pg + j * RS_PANEL + PF), _MM_HINT_T0);
+        _mm256_store_ps(fb + j * RS_PANEL, _mm256_mul_ps(int8_to_ps(pg + j * RS_PANEL), s0));
+        _mm256_store_ps(fb + j * RS_PANEL + 8,
+                        _mm256_mul_ps(int8_to_ps(pg + j * RS_PANEL + 8), s1));
+    }
+}
+
+/* A group's codes as floats: `group` bytes of codes per group of 32 inputs of a panel. */
+typedef struct {
+    void (*fn)(const void *codes, const float *s, const float *mn, float *fb);
+    int64_t group;
+} group_dequantizer;
+
+/* Up to CHUNK_ROWS rows of x against one int4 or int8g panel (its groups dequantized by
+ * deq), channels c0 .. c0 + lanes of y. */
+static void quant_wide(const rs_weight *w, group_dequantizer deq, const uint8_t *panel,
+                       const float *scales, const float *mins, const float *x, int64_t rows,
+                       int64_t ldx, float *y, int64_t ldy, int64_t c0, int64_t lanes)
 {
     float fb[WIDE_K * RS_PANEL] __attribute__((aligned(32)));
     float acc[CHUNK_ROWS * RS_PANEL];
@@ -449,9 +483,9 @@ static void int4_wide(const rs_weight *w, const uint8_t *panel, const float *sca
     for (int64_t g0 = 0; g0 < groups; g0 += WIDE_GROUPS) {
         const int64_t gb = groups - g0 < WIDE_GROUPS ? groups - g0 : WIDE_GROUPS;
         for (int64_t g = 0; g < gb; g++)
-            dequantize_group(panel + (g0 + g) * (RS_INT4_GROUP / 2) * RS_PANEL,
-                             scales + (g0 + g) * RS_PANEL, mins + (g0 + g) * RS_PANEL,
-                             fb + g * RS_INT4_GROUP * RS_PANEL);
+            deq.fn(panel + (g0 + g) * deq.group, scales + (g0 + g) * RS_PANEL,
+                   mins == NULL ? NULL : mins + (g0 + g) * RS_PANEL,
+                   fb + g * RS_INT4_GROUP * RS_PANEL);
         const float *xb = x + g0 * RS_INT4_GROUP;
         for (int64_t i = 0, r; i < rows; i += r) {
             r = tile_rows(rows - i, WIDE_ROWS);
@@ -475,10 +509,11 @@ void rs_int4_panels(const rs_weight *w, const float *x, int64_t m, int64_t ldx, 
         const int64_t c0 = p * RS_PANEL;
         const int64_t lanes = w->n - c0 < RS_PANEL ? w->n - c0 : RS_PANEL;
         if (m >= WIDE_MIN) {
+            const group_dequantizer deq = {int4_group, (RS_INT4_GROUP / 2) * RS_PANEL};
             for (int64_t i = 0; i < m; i += CHUNK_ROWS)
-                int4_wide(w, panel, scales, mins, x + i * ldx,
-                          m - i < CHUNK_ROWS ? m - i : CHUNK_ROWS, ldx, y + i * ldy, ldy, c0,
-                          lanes);
+                quant_wide(w, deq, panel, scales, mins, x + i * ldx,
+                           m - i < CHUNK_ROWS ? m - i : CHUNK_ROWS, ldx, y + i * ldy, ldy, c0,
+                           lanes);
             continue;
         }
         for (int64_t i = 0; i < m; i += INT4_ROWS) {
@@ -487,5 +522,104 @@ void rs_int4_panels(const rs_weight *w, const float *x, int64_t m, int64_t ldx, 
             for (int64_t r = 0; r < rows; r++)
                 memcpy(y + (i + r) * ldy + c0, out + r * RS_PANEL, sizeof(float) * (size_t)lanes);
         }
+    }
+}
+
+/* int8 with a scale per group of 32 inputs (GGUF's Q8_0 kept as it is; panel.h's RS_INT8G):
+ * R rows of x against one panel, scales [k / 32][16]. Per group, each row accumulates the
+ * dot of x with the codes (even and odd inputs apart at one row, for the FMA latency), then
+ * adds scale * dot to its total. At most INT8G_ROWS rows (dot and total: 4 registers a row);
+ * more rows take the dequantized path (quant_wide). */
+#define INT8G_ROWS 3
+INLINE void int8g_tile(const int R, const float *x, int64_t ldx, const int8_t *p, int64_t k,
+                       const float *scales, float *out)
+{
+    const int S = R == 1 ? 2 : 1;
+    __m256 total[INT8G_ROWS][2];
+#pragma GCC unroll 3
+    for (int r = 0; r < R; r++)
+        total[r][0] = total[r][1] = _mm256_setzero_ps();
+    for (int64_t g = 0; g < k / RS_INT4_GROUP; g++) {
+        const int8_t *pg = p + g * RS_INT4_GROUP * RS_PANEL;
+        const float *xg = x + g * RS_INT4_GROUP;
+        __m256 dot[2][INT8G_ROWS][2];
+#pragma GCC unroll 2
+        for (int s = 0; s < S; s++)
+#pragma GCC unroll 3
+            for (int r = 0; r < R; r++)
+                dot[s][r][0] = dot[s][r][1] = _mm256_setzero_ps();
+        for (int j = 0; j < RS_INT4_GROUP; j += S) {
+            if (j % 4 == 0)
+                _mm_prefetch((const char *)(pg + j * RS_PANEL + PF), _MM_HINT_T0);
+#pragma GCC unroll 2
+            for (int s = 0; s < S; s++) {
+                const __m256 w0 = int8_to_ps(pg + (j + s) * RS_PANEL);
+                const __m256 w1 = int8_to_ps(pg + (j + s) * RS_PANEL + 8);
+#pragma GCC unroll 3
+                for (int r = 0; r < R; r++) {
+                    const __m256 xb = _mm256_broadcast_ss(xg + r * ldx + j + s);
+                    dot[s][r][0] = _mm256_fmadd_ps(xb, w0, dot[s][r][0]);
+                    dot[s][r][1] = _mm256_fmadd_ps(xb, w1, dot[s][r][1]);
+                }
+            }
+        }
+        const __m256 s0 = _mm256_loadu_ps(scales + g * RS_PANEL);
+        const __m256 s1 = _mm256_loadu_ps(scales + g * RS_PANEL + 8);
+#pragma GCC unroll 3
+        for (int r = 0; r < R; r++) {
+            __m256 a0 = dot[0][r][0], a1 = dot[0][r][1];
+            if (S == 2) {
+                a0 = _mm256_add_ps(a0, dot[1][r][0]);
+                a1 = _mm256_add_ps(a1, dot[1][r][1]);
+            }
+            total[r][0] = _mm256_fmadd_ps(s0, a0, total[r][0]);
+            total[r][1] = _mm256_fmadd_ps(s1, a1, total[r][1]);
+        }
+    }
+#pragma GCC unroll 3
+    for (int r = 0; r < R; r++) {
+        _mm256_storeu_ps(out + r * RS_PANEL, total[r][0]);
+        _mm256_storeu_ps(out + r * RS_PANEL + 8, total[r][1]);
+    }
+}
+
+#define INT8G_TILE(R)                                                                       \
+    static void int8g_tile##R(const float *x, int64_t ldx, const int8_t *p, int64_t k,     \
+                              const float *scales, float *out)                             \
+    {                                                                                       \
+        int8g_tile(R, x, ldx, p, k, scales, out);                                           \
+    }
+INT8G_TILE(1)
+INT8G_TILE(2)
+INT8G_TILE(3)
+
+static const int8_tile_fn int8g_tiles[INT8G_ROWS + 1] = {NULL, int8g_tile1, int8g_tile2,
+                                                         int8g_tile3};
+
+void rs_int8g_panels(const rs_weight *w, const float *x, int64_t m, int64_t ldx, float *y,
+                     int64_t ldy, int64_t p0, int64_t p1)
+{
+    const int8_t *codes = (const int8_t *)w->data;
+    const int64_t groups = w->k / RS_INT4_GROUP;
+    float out[INT8G_ROWS * RS_PANEL];
+    for (int64_t p = p0; p < p1; p++) {
+        const int8_t *panel = codes + p * w->k * RS_PANEL;
+        const float *scales = w->scales + p * groups * RS_PANEL;
+        const int64_t c0 = p * RS_PANEL;
+        const int64_t lanes = w->n - c0 < RS_PANEL ? w->n - c0 : RS_PANEL;
+        if (m > INT8G_ROWS) {
+            const group_dequantizer deq = {int8g_group, RS_INT4_GROUP * RS_PANEL};
+            for (int64_t i = 0; i < m; i += CHUNK_ROWS)
+                quant_wide(w, deq, (const uint8_t *)panel, scales, NULL, x + i * ldx,
+                           m - i < CHUNK_ROWS ? m - i : CHUNK_ROWS, ldx, y + i * ldy, ldy, c0,
+                           lanes);
+            continue;
+        }
+        const int64_t rows = m;
+        if (rows == 0)
+            continue;
+        int8g_tiles[rows](x, ldx, panel, w->k, scales, out);
+        for (int64_t r = 0; r < rows; r++)
+            memcpy(y + r * ldy + c0, out + r * RS_PANEL, sizeof(float) * (size_t)lanes);
     }
 }

@@ -10,6 +10,9 @@ kernels (`panel_quant.c`, AVX2) read them packed, never a dequantized copy.
 
 - int8: symmetric round-to-nearest per output channel, scale = max |w| / 127 over the row;
   panels of int8 codes [P, K, 16] and float32 scales [P * 16] (w = code * scale).
+  A weight loaded from GGUF Q8_0 blocks keeps them as they are, with one scale per group of
+  32 inputs ("int8g" panels: scales [P, K / 32, 16]; its other rows repeat their channel's
+  scale over the groups).
 - int4: asymmetric round-to-nearest in groups of `INT4_GROUP_SIZE` input features:
   scale = (max - min) / 15, codes 0..15 = round((w - min) / scale), so w ~= code * scale + min;
   panels of uint8 [P, K / 2, 16] (inputs 2 j and 2 j + 1 in the low and high nibble of one
@@ -28,7 +31,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from ringserve.checkpoint.gguf_int4 import Int4Blocks
+from ringserve.checkpoint.gguf_codes import BlockCodes
 from ringserve.config import QUANTIZATION_METHODS
 from ringserve.gpu import panel_native
 from ringserve.gpu.panel_native import PANEL, PanelWeight
@@ -44,7 +47,8 @@ class QuantCodes:
     Attributes:
         method: "int8" or "int4".
         codes: [N, K]: int8 in -127..127 (int8), or int32 in 0..15 (int4).
-        scales: [N] (int8) or [N, K / group_size] (int4), in the weight's dtype.
+        scales: [N] (int8 per channel) or [N, K / group_size] (int8 per group, int4), in
+            the weight's dtype.
         mins: int4 only: [N, K / group_size], each group's minimum (code 0).
         group_size: input features per scale (K for int8's per-channel scales).
     """
@@ -102,6 +106,9 @@ def quantize_codes(weight: torch.Tensor, method: str) -> QuantCodes:
 def pack(q: QuantCodes) -> PanelWeight:
     """The panels of `q` (panel.h's RS_INT8 / RS_INT4 layout), without a bias."""
     n, k = q.codes.shape
+    if q.method == "int8" and q.scales.dim() == 2:  # a scale per group of 32 inputs
+        return PanelWeight("int8g", n, k, panel_native.to_panels(q.codes),
+                           panel_native.to_panels(q.scales.float()))
     if q.method == "int8":
         scales = torch.zeros(panel_native.num_panels(n) * PANEL, dtype=torch.float32)
         scales[:n] = q.scales.float()
@@ -115,17 +122,20 @@ def pack(q: QuantCodes) -> PanelWeight:
 
 
 def quantize(weight: torch.Tensor, method: str,
-             as_is: Iterable[tuple[int, Int4Blocks]] = ()) -> PanelWeight:
+             as_is: Iterable[tuple[int, BlockCodes]] = (), *, grouped: bool = False
+             ) -> PanelWeight:
     """`pack(quantize_codes(weight, method))`: what a linear layer keeps (add its bias with
     `PanelWeight.with_bias`, so the kernel adds it).
 
     Args:
         weight: the float weight [N, K].
         method: "int8" or "int4".
-        as_is: int4 only: (first row, codes) of rows loaded from a GGUF file's 4-bit blocks
-            (`ringserve.checkpoint.gguf_int4`), packed as they are instead of rounded from
-            their floats (int4 rounds each row's groups on their own, so the rest of the
-            weight is unaffected).
+        as_is: (first row, codes) of rows loaded from a GGUF file's blocks of `method`
+            (`ringserve.checkpoint.gguf_codes`), packed as they are instead of rounded from
+            their floats (each row is rounded on its own, so the rest is unaffected; int8
+            then keeps a scale per group of 32 inputs for every row).
+        grouped: int8: per-group scales even without `as_is` (a weight update of such a
+            layer, whose panels must keep their shape).
 
     Raises:
         ValueError: as `quantize_codes`, a weight not on the CPU, or codes that do not fit.
@@ -133,29 +143,44 @@ def quantize(weight: torch.Tensor, method: str,
     if weight.device.type != "cpu":
         raise ValueError(f"quantization {method}: runs on CPU only (weight on {weight.device})")
     q = quantize_codes(weight, method)
+    as_is = list(as_is)
+    if method == "int8" and (as_is or grouped):
+        q = _per_group(q)
     for row0, blocks in as_is:
         rows = blocks.codes.shape[0]
-        if method != "int4" or blocks.codes.shape[1] != q.codes.shape[1] \
-                or row0 + rows > q.codes.shape[0]:
-            raise ValueError(f"quantization {method}: 4-bit codes {list(blocks.codes.shape)} "
-                             f"at row {row0} do not fit a weight of {list(q.codes.shape)}")
-        assert q.mins is not None
+        if (blocks.method != method or blocks.codes.shape[1] != q.codes.shape[1]
+                or row0 + rows > q.codes.shape[0]):
+            raise ValueError(f"quantization {method}: {blocks.method} codes "
+                             f"{list(blocks.codes.shape)} at row {row0} do not fit a weight "
+                             f"of {list(q.codes.shape)}")
         q.codes[row0:row0 + rows] = blocks.codes.to(q.codes.dtype)
         q.scales[row0:row0 + rows] = blocks.scales.to(q.scales.dtype)
-        q.mins[row0:row0 + rows] = blocks.mins.to(q.mins.dtype)
+        if q.mins is not None and blocks.mins is not None:
+            q.mins[row0:row0 + rows] = blocks.mins.to(q.mins.dtype)
     return pack(q)
+
+
+def _per_group(q: QuantCodes) -> QuantCodes:
+    """Per-channel int8 codes with their scale repeated over every group of 32 inputs (the
+    same weights)."""
+    n, k = q.codes.shape
+    if k % INT4_GROUP_SIZE:
+        raise ValueError(f"quantization int8: per-group scales need input features in "
+                         f"multiples of {INT4_GROUP_SIZE}, got {k}")
+    scales = q.scales[:, None].expand(n, k // INT4_GROUP_SIZE).contiguous()
+    return QuantCodes("int8", q.codes, scales, None, INT4_GROUP_SIZE)
 
 
 def dequantize(q: QuantCodes) -> torch.Tensor:
     """The float32 `[N, K]` weight the codes stand for (the kernels' test reference)."""
     codes = q.codes.float()
-    if q.method == "int8":
+    if q.method == "int8" and q.scales.dim() == 1:
         return codes * q.scales.float()[:, None]
-    assert q.mins is not None
     n, k = codes.shape
-    groups = codes.reshape(n, k // q.group_size, q.group_size)
-    out = groups * q.scales.float()[..., None] + q.mins.float()[..., None]
-    return out.reshape(n, k)
+    groups = codes.reshape(n, k // q.group_size, q.group_size) * q.scales.float()[..., None]
+    if q.mins is not None:
+        groups = groups + q.mins.float()[..., None]
+    return groups.reshape(n, k)
 
 
 def unpack(weight: PanelWeight) -> QuantCodes:
@@ -168,6 +193,9 @@ def unpack(weight: PanelWeight) -> QuantCodes:
 
     if weight.format == "int8":
         return QuantCodes("int8", rows(weight.data), weight.scales[:n], None, k)
+    if weight.format == "int8g":
+        return QuantCodes("int8", rows(weight.data), rows(weight.scales), None,
+                          INT4_GROUP_SIZE)
     if weight.format != "int4" or weight.mins is None:
         raise ValueError(f"quantization: {weight.format} panels hold no codes")
     data = weight.data

@@ -1,4 +1,4 @@
-"""The int8 / int4 panel kernels (src/gpu/panel_quant.c) against the torch reference
+"""The int8 / int4 / int8g (int8 with a scale per 32 inputs) panel kernels (src/gpu/panel_quant.c) against the torch reference
 `F.linear(x, dequantize(codes))`: every tile size (rows 1..13 and 64), output features that
 leave the last panel partly empty, input features from 1 (int8) or 32 (int4) to 1536, with and
 without the panels' bias, on one thread and split over two (the same result); and the C
@@ -15,11 +15,12 @@ import torch
 import torch.nn.functional as F
 
 from ringserve.gpu import panel_native
-from ringserve.gpu.quant import dequantize, pack, quantize_codes, unpack
+from ringserve.gpu.quant import QuantCodes, dequantize, pack, quantize_codes, unpack
 
 ROWS = [*range(1, 14), 64]
 SHAPES = [("int8", k) for k in (1, 7, 32, 33, 100, 577, 1536)] + [
-    ("int4", k) for k in (32, 64, 96, 576, 1536)]
+    (method, k) for method in ("int4", "int8g") for k in (32, 64, 96, 576, 1536)]
+METHODS = ["int8", "int4", "int8g"]
 # Float32 rounding (the kernels sum in another order than torch, and int4 sums per group)
 # relative to the sum of |x_j w_j|: measured below 5e-6 for these shapes.
 RTOL = 3e-5
@@ -46,6 +47,17 @@ def _randn(*shape: int, seed: int) -> torch.Tensor:
     return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
 
 
+def _codes(weight: torch.Tensor, method: str) -> QuantCodes:
+    """Round-to-nearest codes; "int8g": int8 codes with a random scale per group of 32 inputs
+    (as GGUF's Q8_0 blocks), packed as RS_INT8G panels."""
+    if method != "int8g":
+        return quantize_codes(weight, method)
+    n, k = weight.shape
+    codes = quantize_codes(weight, "int8").codes
+    scales = torch.rand(n, k // 32, generator=torch.Generator().manual_seed(n + k)) + 0.01
+    return QuantCodes("int8", codes, scales, None, 32)
+
+
 class _Reference:
     """`F.linear(x, w, bias)` in float64 and the sum of |terms| it is compared against (one
     product for every row count: a row's result does not depend on the others)."""
@@ -67,7 +79,7 @@ class _Reference:
 @pytest.mark.usefixtures("one_thread")
 def test_kernel_equals_dequantize_then_matmul(library: ctypes.CDLL, method: str, k: int) -> None:
     for n in (40, 100):  # 2.5 and 6.25 panels
-        codes = quantize_codes(_randn(n, k, seed=n + k), method)
+        codes = _codes(_randn(n, k, seed=n + k), method)
         weight = dequantize(codes)
         bias = _randn(n, seed=3)
         x_all = _randn(max(ROWS), k, seed=4)
@@ -78,10 +90,10 @@ def test_kernel_equals_dequantize_then_matmul(library: ctypes.CDLL, method: str,
                 reference.check(panel_native.linear(library, x_all[:rows], panels))
 
 
-@pytest.mark.parametrize("method", ["int8", "int4"])
+@pytest.mark.parametrize("method", METHODS)
 def test_a_thread_split_computes_the_same(library: ctypes.CDLL, method: str) -> None:
     n, k = 100, 96  # 7 panels: 4 and 3 per thread
-    codes = quantize_codes(_randn(n, k, seed=9), method)
+    codes = _codes(_randn(n, k, seed=9), method)
     panels = pack(codes).with_bias(_randn(n, seed=10))
     x_all = _randn(max(ROWS), k, seed=11)
     before = torch.get_num_threads()
@@ -98,11 +110,11 @@ def test_a_thread_split_computes_the_same(library: ctypes.CDLL, method: str) -> 
         assert torch.equal(one, two)  # each panel is computed alike on any thread
 
 
-@pytest.mark.parametrize("method", ["int8", "int4"])
+@pytest.mark.parametrize("method", METHODS)
 def test_y_is_overwritten_and_channels_past_n_are_not_written(library: ctypes.CDLL,
                                                               method: str) -> None:
     n, k = 40, 64
-    codes = quantize_codes(_randn(n, k, seed=5), method)
+    codes = _codes(_randn(n, k, seed=5), method)
     panels = pack(codes)
     for rows in (1, 5, 7):
         x = _randn(rows, k, seed=rows)
@@ -112,12 +124,12 @@ def test_y_is_overwritten_and_channels_past_n_are_not_written(library: ctypes.CD
         assert bool(y[rows * n:].isnan().all()), "a channel past n was written"
 
 
-@pytest.mark.parametrize("method", ["int8", "int4"])
+@pytest.mark.parametrize("method", METHODS)
 def test_a_panel_range_with_row_strides(library: ctypes.CDLL, method: str) -> None:
     """`rs_panels` as the fused decode step calls it: panels p0..p1 only, x and y rows
     strided (ldx > k, ldy > n), and more rows than rs_linear hands a kernel at once (48)."""
     n, k, ldx, ldy = 100, 64, 64 + 3, 100 + 5
-    codes = quantize_codes(_randn(n, k, seed=12), method)
+    codes = _codes(_randn(n, k, seed=12), method)
     panels = pack(codes).with_bias(_randn(n, seed=13))
     assert panels.bias is not None
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
@@ -146,6 +158,16 @@ def test_int8_panels_follow_panel_h() -> None:
     assert torch.equal(panels.scales[:20], codes.scales)
 
 
+def test_int8g_panels_follow_panel_h() -> None:
+    codes = _codes(_randn(20, 64, seed=6), "int8g")
+    panels = pack(codes)
+    assert panels.format == "int8g" and panels.data.dtype == torch.int8
+    assert panels.data.shape == (2, 64, 16) and panels.scales is not None
+    assert panels.scales.shape == (2, 2, 16) and panels.mins is None
+    assert int(panels.data[1, 40, 3]) == int(codes.codes[19, 40])
+    assert float(panels.scales[1, 1, 3]) == float(codes.scales[19, 1])
+
+
 def test_int4_panels_follow_panel_h() -> None:
     codes = quantize_codes(_randn(20, 64, seed=7), "int4")
     panels = pack(codes)
@@ -161,9 +183,9 @@ def test_int4_panels_follow_panel_h() -> None:
     assert bool((panels.data[1, :, 4:] == 0).all()) and bool((panels.scales[1, :, 4:] == 0).all())
 
 
-@pytest.mark.parametrize("method", ["int8", "int4"])
+@pytest.mark.parametrize("method", METHODS)
 def test_unpack_inverts_pack(method: str) -> None:
-    codes = quantize_codes(_randn(50, 96, seed=8), method)
+    codes = _codes(_randn(50, 96, seed=8), method)
     back = unpack(pack(codes))
     assert torch.equal(back.codes, codes.codes.to(back.codes.dtype))
     assert torch.equal(dequantize(back), dequantize(codes))

@@ -1,6 +1,7 @@
-"""GGUF 4-bit blocks loaded as they are under `--quantization int4` (issue 17, item 4): the
-block decoder against gguf-py's reference dequantizer (Q4_0, Q4_1, Q4_K), shards of the codes,
-and a tiny Llama exported as Q4_0 / Q4_1 whose int4 panels hold exactly the file's weights."""
+"""GGUF blocks loaded as they are under `--quantization int8` / `int4` (issue 17, item 4): the
+block decoder against gguf-py's reference dequantizer (Q8_0, Q4_0, Q4_1, Q4_K), shards of the
+codes, and a tiny Llama exported as Q8_0 / Q4_0 / Q4_1 whose panels hold exactly the file's
+weights."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import pytest
 import torch
 from gguf_export import export_gguf
 
-from ringserve.checkpoint import gguf_int4
+from ringserve.checkpoint import gguf_codes
 from ringserve.engine.arg_utils import EngineArgs
 from ringserve.gpu import panel_native, quant
 from ringserve.gpu.linear import ColumnParallelLinear, RowParallelLinear
@@ -33,7 +34,7 @@ def _random_q4k(rows: int, cols: int, seed: int) -> np.ndarray:
     return blocks.reshape(-1)
 
 
-@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1, Q.Q4_K], ids=lambda q: q.name)
+@pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q4_K], ids=lambda q: q.name)
 def test_decoded_codes_dequantize_exactly_as_gguf_py(qtype: gguf.GGMLQuantizationType) -> None:
     rows, cols = 6, 512
     if qtype == Q.Q4_K:  # gguf-py cannot quantize K-quants: random blocks
@@ -41,24 +42,30 @@ def test_decoded_codes_dequantize_exactly_as_gguf_py(qtype: gguf.GGMLQuantizatio
     else:
         weight = np.random.default_rng(1).standard_normal((rows, cols)).astype(np.float32)
         raw = gguf.quants.quantize(weight, qtype).reshape(-1)
-    blocks = gguf_int4.decode(raw, qtype.name, (rows, cols))
-    assert blocks.codes.dtype == torch.uint8 and int(blocks.codes.max()) <= 15
-    assert blocks.scales.shape == blocks.mins.shape == (rows, cols // 32)
+    blocks = gguf_codes.decode(raw, qtype.name, (rows, cols))
+    assert blocks.scales.shape == (rows, cols // 32)
+    if qtype == Q.Q8_0:
+        assert blocks.method == "int8" and blocks.codes.dtype == torch.int8
+        assert blocks.mins is None
+    else:
+        assert blocks.method == "int4" and blocks.codes.dtype == torch.uint8
+        assert int(blocks.codes.max()) <= 15
+        assert blocks.mins is not None and blocks.mins.shape == blocks.scales.shape
     want = gguf.quants.dequantize(raw.reshape(rows, -1), qtype)
     assert torch.equal(blocks.dequantize(), torch.from_numpy(np.asarray(want, np.float32)))
 
 
 def test_decode_refuses_other_types_and_sizes() -> None:
-    with pytest.raises(ValueError, match="Q8_0 blocks hold no int4 codes"):
-        gguf_int4.decode(np.zeros(34, np.uint8), "Q8_0", (1, 32))
+    with pytest.raises(ValueError, match="Q6_K blocks are kept as floats"):
+        gguf_codes.decode(np.zeros(210, np.uint8), "Q6_K", (1, 256))
     with pytest.raises(ValueError, match="bytes of Q4_1"):
-        gguf_int4.decode(np.zeros(19, np.uint8), "Q4_1", (1, 32))
+        gguf_codes.decode(np.zeros(19, np.uint8), "Q4_1", (1, 32))
 
 
 def test_shards_of_the_codes() -> None:
     raw = gguf.quants.quantize(np.random.default_rng(2).standard_normal((8, 128)).astype(
         np.float32), Q.Q4_1).reshape(-1)
-    blocks = gguf_int4.decode(raw, "Q4_1", (8, 128))
+    blocks = gguf_codes.decode(raw, "Q4_1", (8, 128))
     full = blocks.dequantize()
     assert torch.equal(blocks.rows(2, 3).dequantize(), full[2:5])
     half = blocks.columns(64, 64)
@@ -80,25 +87,49 @@ def _linears(runner: ModelRunner) -> dict[str, ColumnParallelLinear | RowParalle
 
 
 @pytest.mark.skipif(panel_native.load_library() is None, reason="no C compiler with OpenMP")
-@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1], ids=lambda q: q.name)
-def test_int4_layers_keep_the_files_codes(qtype: gguf.GGMLQuantizationType,
-                                          tmp_path: Path) -> None:
-    """Every decoder linear of an int4 model from a Q4 file packs the file's codes: its panels
-    dequantize bit for bit to the float model's weights from the same file (rounding the
-    floats again would move Q4_0's weights: its codes need not span 0..15). The outputs of the
+@pytest.mark.parametrize(("qtype", "method", "fmt"), [
+    (Q.Q4_0, "int4", "int4"), (Q.Q4_1, "int4", "int4"), (Q.Q8_0, "int8", "int8g")],
+    ids=lambda v: getattr(v, "name", v))
+def test_quantized_layers_keep_the_files_codes(qtype: gguf.GGMLQuantizationType, method: str,
+                                               fmt: str, tmp_path: Path) -> None:
+    """Every decoder linear of a quantized model from a file of the same method packs the
+    file's codes: its panels dequantize bit for bit to the float model's weights from the
+    same file (rounding the floats again moves Q4_0's weights, whose codes need not span
+    0..15, and Q8_0's, whose scale is per 32 inputs, not per channel). The outputs of the
     layers agree to float32 rounding."""
     path = export_gguf(tiny_model("llama"), tmp_path / f"llama-{qtype.name}.gguf", qtype=qtype)
-    floats, int4 = _runner(path, None), _runner(path, "int4")
-    float_layers, int4_layers = _linears(floats), _linears(int4)
-    assert float_layers.keys() == int4_layers.keys() and float_layers
-    for name, layer in int4_layers.items():
-        assert layer.panel is not None and layer.panel.format == "int4", name
+    floats, quantized = _runner(path, None), _runner(path, method)
+    float_layers, layers = _linears(floats), _linears(quantized)
+    assert float_layers.keys() == layers.keys() and float_layers
+    for name, layer in layers.items():
+        assert layer.panel is not None and layer.panel.format == fmt, name
         assert layer.rows_as_is == layer.panel.out_features, name
         reference = float_layers[name].panel
         assert reference is not None and reference.format == "f32"
         got = quant.dequantize(quant.unpack(layer.panel))
         assert torch.equal(got, panel_native.unpack_f32(reference)), name
-    x = torch.randn(3, int4.model_config.hidden_size, generator=torch.Generator().manual_seed(0))
-    for name, layer in int4_layers.items():
+    x = torch.randn(3, quantized.model_config.hidden_size,
+                    generator=torch.Generator().manual_seed(0))
+    for name, layer in layers.items():
         if layer.panel is not None and layer.panel.in_features == x.shape[1]:
             torch.testing.assert_close(layer(x), float_layers[name](x), atol=1e-4, rtol=1e-4)
+
+
+def test_an_int8_layer_from_q8_0_takes_a_weight_update(tmp_path: Path) -> None:
+    """New float weights for an int8 layer loaded from Q8_0 (an RL weight update) are rounded
+    per channel into the same per-group panels, in place."""
+    from ringserve.gpu.linear import refresh_panel
+
+    path = export_gguf(tiny_model("llama"), tmp_path / "llama-q8_0.gguf", qtype=Q.Q8_0)
+    layer = _linears(_runner(path, "int8"))["model.layers.0.mlp.down_proj"]
+    panel = layer.panel
+    assert panel is not None and panel.format == "int8g"
+    data, scales = panel.data.data_ptr(), panel.scales.data_ptr() if panel.scales is not None \
+        else 0
+    fresh = torch.randn(panel.out_features, panel.in_features,
+                        generator=torch.Generator().manual_seed(1))
+    refresh_panel(panel, fresh, None, "int8")
+    assert panel.data.data_ptr() == data and panel.scales is not None
+    assert panel.scales.data_ptr() == scales
+    want = quant.dequantize(quant.quantize_codes(fresh, "int8"))
+    assert torch.equal(quant.dequantize(quant.unpack(panel)), want)
