@@ -73,10 +73,10 @@ def test_shards_of_the_codes() -> None:
     assert blocks.columns(48, 64) is None  # a shard that splits a group of 32 keeps none
 
 
-def _runner(path: Path, quantization: str | None) -> ModelRunner:
+def _runner(path: Path, quantization: str | None, backend: str = "torch") -> ModelRunner:
     config = EngineArgs(model=str(path), max_model_len=64, max_num_seqs=4, device="cpu",
                         quantization=quantization).create_engine_config()
-    runner = ModelRunner(config, torch.device("cpu"), attention_backend="torch")
+    runner = ModelRunner(config, torch.device("cpu"), attention_backend=backend)  # type: ignore[arg-type]
     runner.load_model()
     return runner
 
@@ -133,3 +133,32 @@ def test_an_int8_layer_from_q8_0_takes_a_weight_update(tmp_path: Path) -> None:
     assert panel.scales.data_ptr() == scales
     want = quant.dequantize(quant.quantize_codes(fresh, "int8"))
     assert torch.equal(quant.dequantize(quant.unpack(panel)), want)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(panel_native.load_library() is None, reason="no C compiler with OpenMP")
+def test_a_q8_0_file_served_as_int8_decodes_alike_captured_and_eager(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`LLM(file.gguf, quantization="int8")`: the captured decode step reads the int8g panels
+    as the eager layers do (greedy tokens equal, logprobs to float32 rounding)."""
+    from ringserve import LLM, SamplingParams
+
+    path = export_gguf(tiny_model("llama"), tmp_path / "llama-q8_0.gguf", qtype=Q.Q8_0)
+    runner = _runner(path, "int8", backend="cpu")
+    runner.initialize_kv_cache(64)
+    assert runner.capture is not None, runner.capture_reason
+    assert "int8g" in runner.capture.info.weight_formats
+    monkeypatch.setenv("RINGSERVE_HOME", str(tmp_path / "home"))  # the materialized directory
+    prompts = [{"prompt_token_ids": [5 + i, 17, 99 + 7 * i, 4]} for i in range(6)]
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=0)
+    runs = []
+    for eager in (False, True):
+        with LLM(str(path), quantization="int8", enforce_eager=eager, device="cpu",
+                 max_model_len=64, max_num_seqs=8, disable_log_stats=True) as llm:
+            runs.append(llm.generate(prompts, params, use_tqdm=False))
+    captured, eager_outs = runs
+    for a, b in zip(captured, eager_outs, strict=True):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        got = [next(iter(p.values())).logprob for p in a.outputs[0].logprobs]
+        want = [next(iter(p.values())).logprob for p in b.outputs[0].logprobs]
+        np.testing.assert_allclose(got, want, atol=2e-4)
