@@ -152,11 +152,11 @@ def avx2_library() -> ctypes.CDLL:
 
 @needs_library
 @pytest.mark.skipif(not _has_avx512(), reason="no AVX-512: the native build is the AVX2 one")
-@pytest.mark.parametrize("method", ["f32", "int8", "int4"])
+@pytest.mark.parametrize("method", ["f32", "int8", "int4", "int8g"])
 def test_avx512_tiles_equal_the_avx2_build_bit_for_bit(method: str,
                                                        avx2_library: ctypes.CDLL) -> None:
     """On an AVX-512 machine the library's zmm tiles run (float32: 4-8 rows with one
-    accumulator per row; int8 / int4: 16 channels per register); built with -mno-avx512f,
+    accumulator per row; int8 / int4 / int8g: 16 channels per register); built with -mno-avx512f,
     the same sources run the AVX2 tiles. Every output is the same sequence of operations in
     both, so the products are equal bit for bit, except float32 rows that the AVX2 split
     puts in its 1-row tile (which pairs its inputs); those agree to rounding. This keeps the
@@ -167,8 +167,14 @@ def test_avx512_tiles_equal_the_avx2_build_bit_for_bit(method: str,
     gen = torch.Generator().manual_seed(5)
     for n, k in [(40, 96), (100, 576), (7, 64)]:
         weight = torch.randn(n, k, generator=gen)
-        panels = (panel_native.pack_f32(weight, None) if method == "f32"
-                  else quant.quantize(weight, method))
+        if method == "f32":
+            panels = panel_native.pack_f32(weight, None)
+        elif method == "int8g":  # int8 codes with a scale per 32 inputs (Q8_0 as it is)
+            codes = quant.quantize_codes(weight, "int8").codes
+            scales = torch.rand(n, k // 32, generator=gen) + 0.01
+            panels = quant.pack(quant.QuantCodes("int8", codes, scales, None, 32))
+        else:
+            panels = quant.quantize(weight, method)
         for rows in [*range(1, 20), 32, 48, 64, 97]:
             x = torch.randn(rows, k, generator=gen)
             got = [torch.empty(rows, n), torch.empty(rows, n)]
