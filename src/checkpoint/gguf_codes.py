@@ -54,8 +54,13 @@ class BlockCodes:
     mins: torch.Tensor | None
 
     def _with(self, pick: Callable[[torch.Tensor, bool], torch.Tensor]) -> BlockCodes:
-        return BlockCodes(self.method, pick(self.codes, False), pick(self.scales, True),
-                          None if self.mins is None else pick(self.mins, True))
+        # Copies, so that a shard does not keep the whole tensor's codes alive until its
+        # layer is quantized.
+        def part(t: torch.Tensor, grouped: bool) -> torch.Tensor:
+            return pick(t, grouped).clone(memory_format=torch.contiguous_format)
+
+        return BlockCodes(self.method, part(self.codes, False), part(self.scales, True),
+                          None if self.mins is None else part(self.mins, True))
 
     def rows(self, start: int, size: int) -> BlockCodes:
         """Output rows start .. start + size - 1 (a column-parallel shard)."""
