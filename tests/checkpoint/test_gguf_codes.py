@@ -162,3 +162,58 @@ def test_a_q8_0_file_served_as_int8_decodes_alike_captured_and_eager(
         got = [next(iter(p.values())).logprob for p in a.outputs[0].logprobs]
         want = [next(iter(p.values())).logprob for p in b.outputs[0].logprobs]
         np.testing.assert_allclose(got, want, atol=2e-4)
+
+
+def _tp_rank(rank: int, path: str, port: int, out: str) -> None:
+    """One of two gloo ranks: the int4 and the float model from the Q4_0 file, sharded; each
+    rank writes, per linear, how many rows kept the file's codes, of how many, and whether
+    its int4 shard dequantizes bit for bit to its float shard."""
+    import json
+
+    import torch.distributed as dist
+
+    from ringserve.gpu.parallel import init_tp_group
+
+    torch.set_num_threads(1)
+    tp = init_tp_group(rank, 2, backend="gloo", init_method=f"tcp://127.0.0.1:{port}")
+    try:
+        models = []
+        for method in ("int4", None):
+            config = EngineArgs(model=path, max_model_len=64, max_num_seqs=4, device="cpu",
+                                quantization=method).create_engine_config()
+            runner = ModelRunner(config, torch.device("cpu"), tp=tp, attention_backend="torch")
+            runner.load_model()
+            models.append(_linears(runner))
+        kept = {}
+        for name, layer in models[0].items():
+            panel, reference = layer.panel, models[1][name].panel
+            assert panel is not None and reference is not None
+            same = torch.equal(quant.dequantize(quant.unpack(panel)),
+                               panel_native.unpack_f32(reference))
+            kept[name] = [layer.rows_as_is, panel.out_features, same]
+        Path(f"{out}.{rank}").write_text(json.dumps(kept))
+    finally:
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(panel_native.load_library() is None, reason="no C compiler with OpenMP")
+def test_tensor_parallel_shards_keep_the_files_codes(tmp_path: Path) -> None:
+    """At TP=2 every column shard (fused q/k/v and gate/up included) takes its rows of the
+    codes and every row shard its columns (the splits fall on groups of 32 here)."""
+    import json
+    import socket
+
+    import torch.multiprocessing as mp
+
+    path = export_gguf(tiny_model("llama"), tmp_path / "llama-Q4_0.gguf", qtype=Q.Q4_0)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = int(s.getsockname()[1])
+    out = tmp_path / "kept.json"
+    mp.spawn(_tp_rank, args=(str(path), port, str(out)), nprocs=2, join=True)
+    for rank in (0, 1):
+        kept = json.loads(Path(f"{out}.{rank}").read_text())
+        assert kept and all(rows == total > 0 and same for rows, total, same in kept.values()), \
+            (rank, kept)
