@@ -54,17 +54,18 @@ class BlockCodes:
     mins: torch.Tensor | None
 
     def _with(self, pick: Callable[[torch.Tensor, bool], torch.Tensor]) -> BlockCodes:
+        return BlockCodes(self.method, pick(self.codes, False), pick(self.scales, True),
+                          None if self.mins is None else pick(self.mins, True))
+
+    def _slice(self, pick: Callable[[torch.Tensor, bool], torch.Tensor]) -> BlockCodes:
         # Copies, so that a shard does not keep the whole tensor's codes alive until its
         # layer is quantized.
-        def part(t: torch.Tensor, grouped: bool) -> torch.Tensor:
-            return pick(t, grouped).clone(memory_format=torch.contiguous_format)
-
-        return BlockCodes(self.method, part(self.codes, False), part(self.scales, True),
-                          None if self.mins is None else part(self.mins, True))
+        return self._with(lambda t, grouped: pick(t, grouped).clone(
+            memory_format=torch.contiguous_format))
 
     def rows(self, start: int, size: int) -> BlockCodes:
         """Output rows start .. start + size - 1 (a column-parallel shard)."""
-        return self._with(lambda t, _: t[start:start + size])
+        return self._slice(lambda t, _: t[start:start + size])
 
     def columns(self, start: int, size: int) -> BlockCodes | None:
         """Inputs start .. start + size - 1 (a row-parallel shard), or None unless both are
@@ -72,8 +73,8 @@ class BlockCodes:
         if start % GROUP or size % GROUP:
             return None
         g0, gn = start // GROUP, size // GROUP
-        return self._with(lambda t, grouped: t[:, g0:g0 + gn] if grouped
-                          else t[:, start:start + size])
+        return self._slice(lambda t, grouped: t[:, g0:g0 + gn] if grouped
+                           else t[:, start:start + size])
 
     def map_rows(self, reorder: Callable[[torch.Tensor], torch.Tensor]) -> BlockCodes:
         """The same codes with their rows reordered by `reorder` (llama.cpp's q / k order

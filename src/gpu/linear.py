@@ -361,8 +361,9 @@ def refresh_panel(panel: PanelWeight, weight: torch.Tensor, bias: torch.Tensor |
     if panel.format == "f32":
         panel_native.to_panels(weight.detach().float(), out=panel.data)
     else:
-        fresh = quantize(weight.data, method or panel.format.rstrip("g"),
-                         grouped=panel.format == "int8g")
+        grouped = panel.format == "int8g"  # int8 with a scale per 32 inputs
+        fresh = quantize(weight.data, method or ("int8" if grouped else panel.format),
+                         grouped=grouped)
         for mine, new in ((panel.data, fresh.data), (panel.scales, fresh.scales),
                           (panel.mins, fresh.mins)):
             if mine is not None and new is not None:

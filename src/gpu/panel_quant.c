@@ -20,8 +20,8 @@
  * float 6-row tiles then read.
  *
  * int8g (int8 with a scale per group of 32 inputs: GGUF's Q8_0 blocks as they are), 1 to 3
- * rows: per group each row accumulates the dot with the codes, then total += scale * dot; from
- * 4 rows on, the dequantized path of int4 (per-format group dequantizers, `quant_wide`).
+ * rows: the int8 tile with its sums taken per group, total += scale * sum; from 4 rows on, the
+ * dequantized path of int4 (per-format group dequantizers, `quant_wide`).
  *
  * With AVX-512 the int8 and int4 tiles hold a panel's 16 channels in one zmm register (the
  * same operations per lane: bit-identical results).
@@ -68,100 +68,135 @@ INLINE __m256 int8_to_ps(const int8_t *p)
     return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
 }
 
+/* The scaling of an int8 tile's sums: G == 0, one scale per channel over all k inputs
+ * (RS_INT8: out = sum * scale); G == RS_INT4_GROUP, one per group of 32 inputs (RS_INT8G:
+ * out = sum over groups of scale_g * sum_g; scales [k / 32][16]). A compile-time constant
+ * where the tile is inlined. */
 #ifdef __AVX512F__
 /* int8_tile with the panel's 16 channels in one zmm register (one load, sign extension and
  * conversion per input instead of two, one FMA per row): each lane the same sequence of
  * operations as in the AVX2 tile, so the results are bit-identical to it. */
-INLINE void int8_tile_z(const int R, const float *x, int64_t ldx, const int8_t *p, int64_t k,
-                        const float *scales, float *out)
+INLINE void int8_tile_z(const int R, const int G, const float *x, int64_t ldx, const int8_t *p,
+                        int64_t k, const float *scales, float *out)
 {
-    const int S = R <= 2 ? 2 : 1;
-    __m512 acc[2][INT8_ROWS];
-#pragma GCC unroll 2
-    for (int s = 0; s < S; s++)
+    const int S = R == 1 || (R == 2 && G == 0) ? 2 : 1; /* 2 rows grouped: registers */
+    const int64_t span = G ? G : k; /* inputs per scale */
+    __m512 total[INT8_ROWS];
 #pragma GCC unroll 6
-        for (int r = 0; r < R; r++)
-            acc[s][r] = _mm512_setzero_ps();
-    int64_t j = 0;
-    for (; j + S <= k; j += S) {
-        if ((j & 3) == 0) /* one prefetch per 64-byte line */
-            _mm_prefetch((const char *)(p + j * RS_PANEL + PF), _MM_HINT_T0);
+    for (int r = 0; r < R; r++)
+        total[r] = _mm512_setzero_ps();
+    for (int64_t g0 = 0; g0 < k; g0 += span) {
+        __m512 acc[2][INT8_ROWS];
 #pragma GCC unroll 2
-        for (int s = 0; s < S; s++) {
-            const __m512 w = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
-                _mm_loadu_si128((const __m128i *)(p + (j + s) * RS_PANEL))));
+        for (int s = 0; s < S; s++)
 #pragma GCC unroll 6
             for (int r = 0; r < R; r++)
-                acc[s][r] = _mm512_fmadd_ps(_mm512_set1_ps(x[r * ldx + j + s]), w, acc[s][r]);
+                acc[s][r] = _mm512_setzero_ps();
+        int64_t j = g0;
+        for (; j + S <= g0 + span; j += S) {
+            if ((j & 3) == 0) /* one prefetch per 64-byte line */
+                _mm_prefetch((const char *)(p + j * RS_PANEL + PF), _MM_HINT_T0);
+#pragma GCC unroll 2
+            for (int s = 0; s < S; s++) {
+                const __m512 w = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+                    _mm_loadu_si128((const __m128i *)(p + (j + s) * RS_PANEL))));
+#pragma GCC unroll 6
+                for (int r = 0; r < R; r++)
+                    acc[s][r] = _mm512_fmadd_ps(_mm512_set1_ps(x[r * ldx + j + s]), w,
+                                                acc[s][r]);
+            }
+        }
+        for (; j < g0 + span; j++) {
+            const __m512 w = _mm512_cvtepi32_ps(
+                _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(p + j * RS_PANEL))));
+#pragma GCC unroll 6
+            for (int r = 0; r < R; r++)
+                acc[0][r] = _mm512_fmadd_ps(_mm512_set1_ps(x[r * ldx + j]), w, acc[0][r]);
+        }
+        const __m512 sc = _mm512_loadu_ps(scales + (G ? g0 / G * RS_PANEL : 0));
+#pragma GCC unroll 6
+        for (int r = 0; r < R; r++) {
+            const __m512 a = S == 2 ? _mm512_add_ps(acc[0][r], acc[1][r]) : acc[0][r];
+            total[r] = G == 0 ? _mm512_mul_ps(a, sc) : _mm512_fmadd_ps(sc, a, total[r]);
         }
     }
-    for (; j < k; j++) {
-        const __m512 w = _mm512_cvtepi32_ps(
-            _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(p + j * RS_PANEL))));
 #pragma GCC unroll 6
-        for (int r = 0; r < R; r++)
-            acc[0][r] = _mm512_fmadd_ps(_mm512_set1_ps(x[r * ldx + j]), w, acc[0][r]);
-    }
-    const __m512 sc = _mm512_loadu_ps(scales);
-#pragma GCC unroll 6
-    for (int r = 0; r < R; r++) {
-        const __m512 a = S == 2 ? _mm512_add_ps(acc[0][r], acc[1][r]) : acc[0][r];
-        _mm512_storeu_ps(out + r * RS_PANEL, _mm512_mul_ps(a, sc));
-    }
+    for (int r = 0; r < R; r++)
+        _mm512_storeu_ps(out + r * RS_PANEL, total[r]);
 }
 #endif
 
-/* R rows of x (stride ldx) against one int8 panel: out[r * 16 + l] for every lane l. */
-INLINE void int8_tile(const int R, const float *x, int64_t ldx, const int8_t *p, int64_t k,
-                      const float *scales, float *out)
+/* R rows of x (stride ldx) against one int8 panel: out[r * 16 + l] for every lane l; the
+ * scaling G as above. */
+INLINE void int8_tile(const int R, const int G, const float *x, int64_t ldx, const int8_t *p,
+                      int64_t k, const float *scales, float *out)
 {
 #ifdef __AVX512F__
-    int8_tile_z(R, x, ldx, p, k, scales, out);
+    int8_tile_z(R, G, x, ldx, p, k, scales, out);
     return;
 #endif
     /* Two accumulator sets (even and odd inputs) where R alone gives too few FMA chains. */
-    const int S = R <= 2 ? 2 : 1;
-    __m256 acc[2][INT8_ROWS][2];
-#pragma GCC unroll 2
-    for (int s = 0; s < S; s++)
+    const int S = R == 1 || (R == 2 && G == 0) ? 2 : 1; /* 2 rows grouped: registers */
+    const int64_t span = G ? G : k; /* inputs per scale */
+    __m256 total[INT8_ROWS][2];
 #pragma GCC unroll 6
-        for (int r = 0; r < R; r++)
-            acc[s][r][0] = acc[s][r][1] = _mm256_setzero_ps();
-    int64_t j = 0;
-    for (; j + S <= k; j += S) {
-        if ((j & 3) == 0) /* one prefetch per 64-byte line */
-            _mm_prefetch((const char *)(p + j * RS_PANEL + PF), _MM_HINT_T0);
+    for (int r = 0; r < R; r++)
+        total[r][0] = total[r][1] = _mm256_setzero_ps();
+    for (int64_t g0 = 0; g0 < k; g0 += span) {
+        __m256 acc[2][INT8_ROWS][2];
 #pragma GCC unroll 2
-        for (int s = 0; s < S; s++) {
-            const __m256 w0 = int8_to_ps(p + (j + s) * RS_PANEL);
-            const __m256 w1 = int8_to_ps(p + (j + s) * RS_PANEL + 8);
+        for (int s = 0; s < S; s++)
+#pragma GCC unroll 6
+            for (int r = 0; r < R; r++)
+                acc[s][r][0] = acc[s][r][1] = _mm256_setzero_ps();
+        int64_t j = g0;
+        for (; j + S <= g0 + span; j += S) {
+            if ((j & 3) == 0) /* one prefetch per 64-byte line */
+                _mm_prefetch((const char *)(p + j * RS_PANEL + PF), _MM_HINT_T0);
+#pragma GCC unroll 2
+            for (int s = 0; s < S; s++) {
+                const __m256 w0 = int8_to_ps(p + (j + s) * RS_PANEL);
+                const __m256 w1 = int8_to_ps(p + (j + s) * RS_PANEL + 8);
+#pragma GCC unroll 6
+                for (int r = 0; r < R; r++) {
+                    const __m256 xb = _mm256_broadcast_ss(x + r * ldx + j + s);
+                    acc[s][r][0] = _mm256_fmadd_ps(xb, w0, acc[s][r][0]);
+                    acc[s][r][1] = _mm256_fmadd_ps(xb, w1, acc[s][r][1]);
+                }
+            }
+        }
+        for (; j < g0 + span; j++) {
+            const __m256 w0 = int8_to_ps(p + j * RS_PANEL);
+            const __m256 w1 = int8_to_ps(p + j * RS_PANEL + 8);
 #pragma GCC unroll 6
             for (int r = 0; r < R; r++) {
-                const __m256 xb = _mm256_broadcast_ss(x + r * ldx + j + s);
-                acc[s][r][0] = _mm256_fmadd_ps(xb, w0, acc[s][r][0]);
-                acc[s][r][1] = _mm256_fmadd_ps(xb, w1, acc[s][r][1]);
+                const __m256 xb = _mm256_broadcast_ss(x + r * ldx + j);
+                acc[0][r][0] = _mm256_fmadd_ps(xb, w0, acc[0][r][0]);
+                acc[0][r][1] = _mm256_fmadd_ps(xb, w1, acc[0][r][1]);
+            }
+        }
+        const float *sg = scales + (G ? g0 / G * RS_PANEL : 0);
+        const __m256 s0 = _mm256_loadu_ps(sg), s1 = _mm256_loadu_ps(sg + 8);
+#pragma GCC unroll 6
+        for (int r = 0; r < R; r++) {
+            __m256 a0 = acc[0][r][0], a1 = acc[0][r][1];
+            if (S == 2) {
+                a0 = _mm256_add_ps(a0, acc[1][r][0]);
+                a1 = _mm256_add_ps(a1, acc[1][r][1]);
+            }
+            if (G == 0) {
+                total[r][0] = _mm256_mul_ps(a0, s0);
+                total[r][1] = _mm256_mul_ps(a1, s1);
+            } else {
+                total[r][0] = _mm256_fmadd_ps(s0, a0, total[r][0]);
+                total[r][1] = _mm256_fmadd_ps(s1, a1, total[r][1]);
             }
         }
     }
-    for (; j < k; j++) {
-        const __m256 w0 = int8_to_ps(p + j * RS_PANEL), w1 = int8_to_ps(p + j * RS_PANEL + 8);
-#pragma GCC unroll 6
-        for (int r = 0; r < R; r++) {
-            const __m256 xb = _mm256_broadcast_ss(x + r * ldx + j);
-            acc[0][r][0] = _mm256_fmadd_ps(xb, w0, acc[0][r][0]);
-            acc[0][r][1] = _mm256_fmadd_ps(xb, w1, acc[0][r][1]);
-        }
-    }
-    const __m256 s0 = _mm256_loadu_ps(scales), s1 = _mm256_loadu_ps(scales + 8);
 #pragma GCC unroll 6
     for (int r = 0; r < R; r++) {
-        __m256 a0 = acc[0][r][0], a1 = acc[0][r][1];
-        if (S == 2) {
-            a0 = _mm256_add_ps(a0, acc[1][r][0]);
-            a1 = _mm256_add_ps(a1, acc[1][r][1]);
-        }
-        _mm256_storeu_ps(out + r * RS_PANEL, _mm256_mul_ps(a0, s0));
-        _mm256_storeu_ps(out + r * RS_PANEL + 8, _mm256_mul_ps(a1, s1));
+        _mm256_storeu_ps(out + r * RS_PANEL, total[r][0]);
+        _mm256_storeu_ps(out + r * RS_PANEL + 8, total[r][1]);
     }
 }
 
@@ -169,7 +204,7 @@ INLINE void int8_tile(const int R, const float *x, int64_t ldx, const int8_t *p,
     static void int8_tile##R(const float *x, int64_t ldx, const int8_t *p, int64_t k,      \
                              const float *scales, float *out)                              \
     {                                                                                       \
-        int8_tile(R, x, ldx, p, k, scales, out);                                            \
+        int8_tile(R, 0, x, ldx, p, k, scales, out);                                         \
     }
 INT8_TILE(1)
 INT8_TILE(2)
@@ -525,119 +560,16 @@ void rs_int4_panels(const rs_weight *w, const float *x, int64_t m, int64_t ldx, 
     }
 }
 
-/* int8 with a scale per group of 32 inputs (GGUF's Q8_0 kept as it is; panel.h's RS_INT8G):
- * R rows of x against one panel, scales [k / 32][16]. Per group, each row accumulates the
- * dot of x with the codes (even and odd inputs apart at one row, for the FMA latency), then
- * adds scale * dot to its total. At most INT8G_ROWS rows (dot and total: 4 registers a row);
- * more rows take the dequantized path (quant_wide). */
+/* int8g (GGUF's Q8_0 kept as it is; panel.h's RS_INT8G): the int8 tiles with a scale per
+ * group of 32 inputs, for at most INT8G_ROWS rows (sums and totals: 4 registers a row with
+ * AVX2); more rows take the dequantized path (quant_wide). */
 #define INT8G_ROWS 3
-#ifdef __AVX512F__
-/* int8g_tile with the panel's 16 channels in one zmm register (the same operations per lane:
- * bit-identical results). */
-INLINE void int8g_tile_z(const int R, const float *x, int64_t ldx, const int8_t *p, int64_t k,
-                         const float *scales, float *out)
-{
-    const int S = R == 1 ? 2 : 1;
-    __m512 total[INT8G_ROWS];
-#pragma GCC unroll 3
-    for (int r = 0; r < R; r++)
-        total[r] = _mm512_setzero_ps();
-    for (int64_t g = 0; g < k / RS_INT4_GROUP; g++) {
-        const int8_t *pg = p + g * RS_INT4_GROUP * RS_PANEL;
-        const float *xg = x + g * RS_INT4_GROUP;
-        __m512 dot[2][INT8G_ROWS];
-#pragma GCC unroll 2
-        for (int s = 0; s < S; s++)
-#pragma GCC unroll 3
-            for (int r = 0; r < R; r++)
-                dot[s][r] = _mm512_setzero_ps();
-        for (int j = 0; j < RS_INT4_GROUP; j += S) {
-            if (j % 4 == 0)
-                _mm_prefetch((const char *)(pg + j * RS_PANEL + PF), _MM_HINT_T0);
-#pragma GCC unroll 2
-            for (int s = 0; s < S; s++) {
-                const __m512 w = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
-                    _mm_loadu_si128((const __m128i *)(pg + (j + s) * RS_PANEL))));
-#pragma GCC unroll 3
-                for (int r = 0; r < R; r++)
-                    dot[s][r] = _mm512_fmadd_ps(_mm512_set1_ps(xg[r * ldx + j + s]), w,
-                                                dot[s][r]);
-            }
-        }
-        const __m512 sc = _mm512_loadu_ps(scales + g * RS_PANEL);
-#pragma GCC unroll 3
-        for (int r = 0; r < R; r++) {
-            const __m512 a = S == 2 ? _mm512_add_ps(dot[0][r], dot[1][r]) : dot[0][r];
-            total[r] = _mm512_fmadd_ps(sc, a, total[r]);
-        }
-    }
-#pragma GCC unroll 3
-    for (int r = 0; r < R; r++)
-        _mm512_storeu_ps(out + r * RS_PANEL, total[r]);
-}
-#endif
-
-INLINE void int8g_tile(const int R, const float *x, int64_t ldx, const int8_t *p, int64_t k,
-                       const float *scales, float *out)
-{
-#ifdef __AVX512F__
-    int8g_tile_z(R, x, ldx, p, k, scales, out);
-    return;
-#endif
-    const int S = R == 1 ? 2 : 1;
-    __m256 total[INT8G_ROWS][2];
-#pragma GCC unroll 3
-    for (int r = 0; r < R; r++)
-        total[r][0] = total[r][1] = _mm256_setzero_ps();
-    for (int64_t g = 0; g < k / RS_INT4_GROUP; g++) {
-        const int8_t *pg = p + g * RS_INT4_GROUP * RS_PANEL;
-        const float *xg = x + g * RS_INT4_GROUP;
-        __m256 dot[2][INT8G_ROWS][2];
-#pragma GCC unroll 2
-        for (int s = 0; s < S; s++)
-#pragma GCC unroll 3
-            for (int r = 0; r < R; r++)
-                dot[s][r][0] = dot[s][r][1] = _mm256_setzero_ps();
-        for (int j = 0; j < RS_INT4_GROUP; j += S) {
-            if (j % 4 == 0)
-                _mm_prefetch((const char *)(pg + j * RS_PANEL + PF), _MM_HINT_T0);
-#pragma GCC unroll 2
-            for (int s = 0; s < S; s++) {
-                const __m256 w0 = int8_to_ps(pg + (j + s) * RS_PANEL);
-                const __m256 w1 = int8_to_ps(pg + (j + s) * RS_PANEL + 8);
-#pragma GCC unroll 3
-                for (int r = 0; r < R; r++) {
-                    const __m256 xb = _mm256_broadcast_ss(xg + r * ldx + j + s);
-                    dot[s][r][0] = _mm256_fmadd_ps(xb, w0, dot[s][r][0]);
-                    dot[s][r][1] = _mm256_fmadd_ps(xb, w1, dot[s][r][1]);
-                }
-            }
-        }
-        const __m256 s0 = _mm256_loadu_ps(scales + g * RS_PANEL);
-        const __m256 s1 = _mm256_loadu_ps(scales + g * RS_PANEL + 8);
-#pragma GCC unroll 3
-        for (int r = 0; r < R; r++) {
-            __m256 a0 = dot[0][r][0], a1 = dot[0][r][1];
-            if (S == 2) {
-                a0 = _mm256_add_ps(a0, dot[1][r][0]);
-                a1 = _mm256_add_ps(a1, dot[1][r][1]);
-            }
-            total[r][0] = _mm256_fmadd_ps(s0, a0, total[r][0]);
-            total[r][1] = _mm256_fmadd_ps(s1, a1, total[r][1]);
-        }
-    }
-#pragma GCC unroll 3
-    for (int r = 0; r < R; r++) {
-        _mm256_storeu_ps(out + r * RS_PANEL, total[r][0]);
-        _mm256_storeu_ps(out + r * RS_PANEL + 8, total[r][1]);
-    }
-}
 
 #define INT8G_TILE(R)                                                                       \
     static void int8g_tile##R(const float *x, int64_t ldx, const int8_t *p, int64_t k,     \
                               const float *scales, float *out)                             \
     {                                                                                       \
-        int8g_tile(R, x, ldx, p, k, scales, out);                                           \
+        int8_tile(R, RS_INT4_GROUP, x, ldx, p, k, scales, out);                             \
     }
 INT8G_TILE(1)
 INT8G_TILE(2)
