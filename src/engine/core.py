@@ -11,6 +11,7 @@ Utility calls (`call_utility`) reach the methods named in `UTILITY_METHODS`.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections import deque
 from collections.abc import Callable
@@ -90,6 +91,7 @@ class EngineCore(WeightSyncMixin, PauseSleepMixin):
         # Seconds spent per phase since the last get_step_timings() (engine-overhead benchmark).
         self.timings: dict[str, float] = dict.fromkeys(("schedule", "execute", "update"), 0.0)
         self.timings["steps"] = 0.0
+        self.timings["skipped"] = 0.0  # steps the workers skipped for a pause (step_hold.py)
         self._timings_since = time.perf_counter()
         self.weight_version: str | None = None
         # Outputs of steps drained by a utility (a weight swap), sent by the next step call.
@@ -98,6 +100,10 @@ class EngineCore(WeightSyncMixin, PauseSleepMixin):
         self._round_snapshot = False
         self._snapshot_current = False
         self.pause_mode: PauseMode | None = None
+        # A pause on its way from the input thread: nothing is scheduled, and the workers
+        # skip the steps they read (`ringserve.gpu.executor.step_hold`), until it is applied.
+        self._hold = False
+        self._hold_lock = threading.Lock()
         self._held: list[EngineCoreRequest] = []  # requests that arrived while paused/asleep
         self.sleep_level = 0
         obs = config.observability_config
@@ -148,6 +154,7 @@ class EngineCore(WeightSyncMixin, PauseSleepMixin):
         with finish reason ERROR and `error`; every block is free afterwards."""
         self.batch_queue.clear()
         self._grammar_pending = None
+        self._release_hold()
         outputs = self.scheduler.abort_all(FinishReason.ERROR, error=error)
         held, self._held = self._held, []
         for request in held:
@@ -168,6 +175,7 @@ class EngineCore(WeightSyncMixin, PauseSleepMixin):
         """
         self.batch_queue.clear()
         self._grammar_pending = None
+        self._release_hold()
         self.executor.shutdown()
         # New workers load the last complete weights from a trainer when a snapshot holds
         # them (ringserve.gpu.weight_snapshot), else the start-up checkpoint.
@@ -243,7 +251,7 @@ class EngineCore(WeightSyncMixin, PauseSleepMixin):
             self._send_grammar(scheduler_output)  # while the forward runs
         model_output = self._result(future)
         t2 = time.perf_counter()
-        outputs = self.scheduler.update_from_output(scheduler_output, model_output)
+        outputs = self._apply(scheduler_output, model_output)
         timings["schedule"] += t1 - t0
         timings["execute"] += t2 - t1
         timings["update"] += time.perf_counter() - t2
@@ -314,12 +322,49 @@ class EngineCore(WeightSyncMixin, PauseSleepMixin):
         t1 = time.perf_counter()
         model_output = self._result(future)
         t2 = time.perf_counter()
-        outputs = self.scheduler.update_from_output(scheduler_output, model_output)
+        outputs = self._apply(scheduler_output, model_output)
         self._flush_grammar()
         timings["execute"] += t2 - t1
         timings["update"] += time.perf_counter() - t2
         timings["steps"] += 1
         return self._stamp(self._with_expert_load(outputs)), True
+
+    def _apply(self, scheduler_output: SchedulerOutput,
+               model_output: ModelRunnerOutput) -> dict[int, EngineCoreOutputs]:
+        """Book a step's output: its tokens, or, for a step the workers skipped (a pause
+        came), take the step back; the outputs per client."""
+        if model_output.skipped:
+            self.timings["skipped"] += 1
+            self.scheduler.rollback_step(scheduler_output, model_output)
+            return self.scheduler.take_pending_outputs()
+        return self.scheduler.update_from_output(scheduler_output, model_output)
+
+    # -- pauses from the input thread (`ringserve.gpu.executor.step_hold`) ---------------------
+
+    def hold_for_pause(self) -> None:
+        """A pause (keep or abort) has arrived and waits in the input queue: from now on
+        schedule nothing, and have the workers skip the steps they have not started.
+        Called from the core process's input thread; a no-op where steps cannot be skipped."""
+        with self._hold_lock:
+            if not self._hold and self.executor.hold_steps(True):
+                self._hold = True
+
+    def settle_hold(self) -> dict[int, EngineCoreOutputs]:
+        """Before the pause that raised the hold is applied: wait for the steps in flight
+        (run or skipped) and book them, then let the workers run steps again. Returns the
+        outputs of the steps that ran (empty when no hold was up)."""
+        if not self._hold:
+            return {}
+        try:
+            return self.drain()
+        finally:
+            self._release_hold()
+
+    def _release_hold(self) -> None:
+        with self._hold_lock:
+            if self._hold:
+                self._hold = False
+                self.executor.hold_steps(False)
 
     def _result(self, future: Future[ModelRunnerOutput]) -> ModelRunnerOutput:
         """A step's output; waiting longer than `execute_model_timeout_s` is a fault.
@@ -375,14 +420,14 @@ class EngineCore(WeightSyncMixin, PauseSleepMixin):
 
     def _may_schedule(self) -> bool:
         return (self.scheduler.has_requests() and self.pause_mode not in ("keep", "abort")
-                and not self.sleep_level)
+                and not self.sleep_level and not self._hold)
 
     def drain(self) -> dict[int, EngineCoreOutputs]:
         """Wait for every step in flight and apply it (before pausing or shutting down)."""
         merged: dict[int, EngineCoreOutputs] = {}
         while self.batch_queue:
             future, scheduler_output = self.batch_queue.pop()
-            outputs = self.scheduler.update_from_output(scheduler_output, future.result())
+            outputs = self._apply(scheduler_output, future.result())
             self._flush_grammar()
             for client, outs in outputs.items():
                 if client in merged:
@@ -408,8 +453,8 @@ class EngineCore(WeightSyncMixin, PauseSleepMixin):
         return "pong"
 
     def get_step_timings(self) -> dict[str, float]:
-        """Seconds per phase (schedule, execute, update, output), steps and elapsed wall time
-        since the last call."""
+        """Seconds per phase (schedule, execute, update, output), steps (and steps the
+        workers skipped for a pause) and elapsed wall time since the last call."""
         now = time.perf_counter()
         timings = dict(self.timings)
         timings["elapsed"] = now - self._timings_since
@@ -445,6 +490,7 @@ class EngineCore(WeightSyncMixin, PauseSleepMixin):
         """Stop the executor and its workers; idempotent."""
         self.batch_queue.clear()
         self._grammar_pending = None
+        self._release_hold()
         self.executor.shutdown()
         self.structured.shutdown()
         self.remove_snapshot()

@@ -246,8 +246,13 @@ class EngineCoreProc:
                 if message.request.client_index != client:
                     message = AddRequest(msgspec.structs.replace(message.request,
                                                                  client_index=client))
-            elif isinstance(message, UtilityCall) and message.client_index != client:
-                message = msgspec.structs.replace(message, client_index=client)
+            elif isinstance(message, UtilityCall):
+                if message.client_index != client:
+                    message = msgspec.structs.replace(message, client_index=client)
+                if _holds_steps(message) and self.core is not None:
+                    # Before it is queued: the steps the workers have not started are
+                    # skipped rather than waited for (ringserve.gpu.executor.step_hold).
+                    self.core.hold_for_pause()
             put(message)
 
         def on_client(client: int, connected: bool) -> None:
@@ -421,6 +426,11 @@ class EngineCoreProc:
         elif isinstance(message, UtilityCall):
             if message.method == FAULT_INSTRUCTION_METHOD:
                 raise FaultInstruction(message)  # the sentinel answers it
+            if _holds_steps(message):
+                # The steps in flight come back (run or skipped) before the pause applies.
+                outputs = core.settle_hold()
+                if outputs:
+                    self.send_outputs(outputs)
             self._call_utility(core, message)
 
     def _call_utility(self, core: EngineCore, call: UtilityCall) -> None:
@@ -457,3 +467,12 @@ class EngineCoreProc:
         if self.core is not None:
             self.core.shutdown()
         self.ctx.term()
+
+
+def _holds_steps(call: UtilityCall) -> bool:
+    """A pause that freezes or ends the requests in flight (keep, the core's default, or
+    abort): the steps already queued for the workers are pointless."""
+    if call.method != "pause":
+        return False
+    mode = call.args[0] if call.args else "keep"
+    return mode in ("keep", "abort")

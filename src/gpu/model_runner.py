@@ -267,6 +267,33 @@ class ModelRunner:
             return None
         return self._finish(step, None)
 
+    def skip_step(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        """Take a step's bookkeeping without running it (a pause skips the steps queued
+        when it came: `ringserve.gpu.executor.step_hold`): the table learns its new,
+        finished and preempted requests, blocks and computed counts, and nothing is
+        computed or sampled.
+
+        Returns:
+            an output marked `skipped` whose `req_ids` are the requests that would have
+            sampled (each with an empty token list), and the requests the worker refused.
+        """
+        self.request_errors = {}
+        self._apply_diff(scheduler_output)
+        table = self.table
+        sampling: list[str] = []
+        for req_id, n in scheduler_output.num_scheduled_tokens.items():
+            state = table.requests.get(req_id)
+            if state is None or req_id in self.request_errors or state.slot < 0:
+                continue
+            slot = state.slot
+            if int(table.num_computed[slot]) + n >= int(table.num_tokens[slot]):
+                sampling.append(req_id)
+        return ModelRunnerOutput(
+            step_id=scheduler_output.step_id, req_ids=sampling,
+            sampled_token_ids=[[] for _ in sampling], request_errors=dict(self.request_errors),
+            skipped=True,
+        )
+
     @torch.inference_mode()
     def sample_tokens(self, grammar: GrammarOutput) -> ModelRunnerOutput:
         """Sample the step whose forward `execute_model` ran, its constrained rows masked

@@ -124,6 +124,9 @@ class ModelRunnerOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=
         prompt_logprobs: request id -> logprobs of the prompt positions computed this step.
         request_errors: request id -> why that request failed alone this step (a prompt the
             worker rejects, NaN logits); the core ends it with finish reason error.
+        skipped: the step was not run (a pause skipped it: `ringserve.gpu.executor.
+            step_hold`); `req_ids` are then the requests that would have sampled, and the
+            core takes the step back (`Scheduler.rollback_step`).
     """
 
     step_id: int
@@ -132,3 +135,4 @@ class ModelRunnerOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=
     logprobs: Logprobs | None = None
     prompt_logprobs: dict[str, Logprobs] = {}
     request_errors: dict[str, str] = {}
+    skipped: bool = False

@@ -228,6 +228,10 @@ class Worker:
         the step waits for its grammar (`sample_tokens`)."""
         return self.runner.execute_model(scheduler_output)
 
+    def skip_step(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        """Apply a step's bookkeeping without running it (`ModelRunner.skip_step`)."""
+        return self.runner.skip_step(scheduler_output)
+
     def sample_tokens(self, grammar: GrammarOutput) -> ModelRunnerOutput:
         """Sample the step waiting for its grammar bitmask."""
         return self.runner.sample_tokens(grammar)

@@ -152,6 +152,12 @@ class BlockPool:
                     cached[h] = block_id
                     block_hash[block_id] = h
 
+    def uncache(self, block_id: int) -> None:
+        """Forget a block's cached prefix, if it holds one (its KV was never written)."""
+        h = self._block_hash[block_id]
+        if h is not None:
+            self._evict(block_id, h)
+
     def reset_prefix_cache(self) -> bool:
         """Forget every cached prefix; blocks in use stay valid for their requests.
 

@@ -198,6 +198,20 @@ class KVCacheManager:
             self.block_pool.cache_full_blocks(blocks, request.block_hashes, num_cached, num_full)
             request.num_cached_blocks = num_full
 
+    def uncache_from(self, request: Request, num_tokens: int) -> None:
+        """Take back the prefix-cache entries of the request's blocks from the one holding
+        token `num_tokens` on (a step that was scheduled but never run registered them, and
+        their KV was not written: `Scheduler.rollback_step`)."""
+        blocks = self._blocks.get(request.request_id)
+        if blocks is None or not self.enable_caching:
+            return
+        first = num_tokens // self.block_size
+        uncache = self.block_pool.uncache
+        for k in range(first, min(request.num_cached_blocks, len(blocks))):
+            uncache(blocks[k])
+        if request.num_cached_blocks > first:
+            request.num_cached_blocks = first
+
     def free(self, request: Request) -> None:
         """Release a request's blocks, tail first so its tail is evicted before its head.
 

@@ -21,6 +21,7 @@ from ringserve.engine.wire import (
     FinishReason,
     SchedulerStats,
 )
+from ringserve.gpu.wire import ModelRunnerOutput, SchedulerOutput
 
 __all__ = ["BooksMixin"]
 
@@ -36,6 +37,7 @@ class BooksMixin(OutputMixin):
     max_num_seqs: int
     _finished_req_ids: list[str]
     _invalidated: list[str]
+    running: list[Request]
     _num_preemptions: int
     _step_id: int
     pending_flops: float
@@ -187,6 +189,49 @@ class BooksMixin(OutputMixin):
                 self._invalidated.append(req.request_id)
         self.running.clear()
         return len(running)
+
+    def rollback_step(self, scheduler_output: SchedulerOutput,
+                      model_output: ModelRunnerOutput) -> None:
+        """Take back a step the workers skipped (a pause came: `ringserve.gpu.executor.
+        step_hold`), so its requests are scheduled again exactly as they were.
+
+        The workers applied its bookkeeping (new, finished and preempted requests, blocks),
+        so that stays; what it would have computed is taken back: each request's computed
+        count and, where it would have sampled (`model_output.req_ids`), its placeholder;
+        the prefix-cache entries of the blocks it would have written. A request admitted by
+        this step goes back to the front of the waiting queue with its blocks freed (the
+        workers release its slot with the next step and keep its state for the resume).
+        Skipped steps are always the newest in flight, and are taken back oldest first.
+        """
+        if model_output.request_errors:
+            self._fail_in_worker(model_output.request_errors)
+        step_id = scheduler_output.step_id
+        sampling = set(model_output.req_ids)
+        kv = self.kv_cache_manager
+        requests = self.requests
+        unadmitted: list[Request] = []
+        for request_id, n in scheduler_output.num_scheduled_tokens.items():
+            req = requests.get(request_id)
+            # Gone, or preempted since (then its books were reset already).
+            if req is None or req.status is not _RUNNING or step_id < req.scheduled_since_step:
+                continue
+            req.num_computed_tokens -= n
+            if request_id in sampling and req.num_output_placeholders:
+                req.num_output_placeholders -= 1
+            kv.uncache_from(req, req.num_computed_tokens)
+            if req.scheduled_since_step == step_id:
+                unadmitted.append(req)
+        if not unadmitted:
+            return
+        for req in reversed(unadmitted):  # prepended in reverse: the queue keeps their order
+            req.num_computed_tokens = 0  # nothing of this step was written: nothing to cache
+            kv.free(req)
+            req.status = _PREEMPTED
+            req.num_output_placeholders = 0
+            self.waiting.prepend(req)
+            self._invalidated.append(req.request_id)
+        gone = set(unadmitted)
+        self.running = [r for r in self.running if r not in gone]
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached prefix (in-use blocks stay with their requests)."""

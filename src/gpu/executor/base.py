@@ -98,6 +98,12 @@ class Executor(ABC):
         bitmask: the workers mask the constrained rows and sample; the step's future
         completes then."""
 
+    def hold_steps(self, up: bool) -> bool:
+        """Raise or lower the flag that makes the workers skip the steps they read
+        (`ringserve.gpu.executor.step_hold`); False (nothing done) where steps are never
+        skipped, as here."""
+        return False
+
     @abstractmethod
     def collective_rpc(
         self, method: str, args: tuple[Any, ...] = (), timeout: float | None = None

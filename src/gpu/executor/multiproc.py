@@ -60,6 +60,7 @@ from ringserve.config import EngineConfig
 from ringserve.gpu.executor.errors import ExecutorShutdownError, WorkerDiedError, WorkerError
 from ringserve.gpu.executor.inbound import DECODE_ERRORS, ResponseHandler, kind_name
 from ringserve.gpu.executor.remote import RemoteWorkersExecutor
+from ringserve.gpu.executor.step_hold import StepHold
 from ringserve.gpu.executor.wire import (
     FrameKind,
     StepError,
@@ -154,6 +155,8 @@ class MultiprocExecutor(RemoteWorkersExecutor):
         self._threads: list[threading.Thread] = []
         self._readers: list[threading.Thread] = []
         capacity = envs.executor_ring_bytes()
+        # Lets a pause skip the steps already queued (`step_hold.py`); None where it cannot.
+        self._hold = StepHold.for_config(config)
         self._sched = RingWriter.create(capacity, self.world_size, label="sched")
         self._outs: list[RingReader] = []
         try:
@@ -186,6 +189,7 @@ class MultiprocExecutor(RemoteWorkersExecutor):
             spec = WorkerSpec(
                 self.config, rank, rank, init_method, self._sched.name, self._outs[rank].name,
                 os.getpid(), lifeline.child_fd, self.null_model,
+                "" if self._hold is None else self._hold.name,
             )
             future: Future[subprocess.Popen[bytes]] = Future()
             thread = threading.Thread(
@@ -198,6 +202,8 @@ class MultiprocExecutor(RemoteWorkersExecutor):
         for rank, future in enumerate(started):
             self._procs[rank] = future.result()
         self._attach_rings()
+        if self._hold is not None:
+            self._hold.unlink()  # every worker mapped it before attaching its rings
         for rank in range(self.world_size):
             reader = threading.Thread(
                 target=self._read_loop, args=(rank,), name=f"ringserve-worker{rank}-out", daemon=True
@@ -298,6 +304,14 @@ class MultiprocExecutor(RemoteWorkersExecutor):
 
     # ---- the Executor interface -----------------------------------------------------------
 
+    def hold_steps(self, up: bool) -> bool:
+        """Raise or lower the step-hold flag (`step_hold.py`); False where steps are never
+        skipped."""
+        if self._hold is None or self._closed:
+            return False
+        self._hold.set(up)
+        return True
+
     def _send(self, kind: FrameKind, message: Any) -> None:
         write_message(self._sched, kind, self._encoder.encode(message))
 
@@ -330,6 +344,8 @@ class MultiprocExecutor(RemoteWorkersExecutor):
         for thread in [*self._readers, *self._threads]:
             thread.join(timeout=2.0)
         self._pending.fail(ExecutorShutdownError("the executor was shut down"))
+        if self._hold is not None:
+            self._hold.close()  # only the core's busy loop and input thread write it
         if any(thread.is_alive() for thread in self._readers):
             # Unmapping under a thread still inside recv() would crash it; leave the mappings.
             logger.warning("executor reader threads did not stop; leaving their rings mapped")

@@ -2,7 +2,8 @@
 
 Steps run on one dedicated thread, in submission order, so the core's busy loop can schedule
 step N+1 while step N computes (torch releases the GIL inside its kernels). Utility calls
-(`collective_rpc`) go through the same thread, so they never race a step.
+(`collective_rpc`) go through the same thread, so they never race a step. A step the thread
+starts while a pause holds the steps (`hold_steps`) is skipped (`step_hold.py`).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from typing import Any
 
 from ringserve.config import EngineConfig
 from ringserve.gpu.executor.base import Executor
+from ringserve.gpu.executor.step_hold import steps_may_be_skipped
 from ringserve.gpu.wire import GrammarOutput, ModelRunnerOutput, SchedulerOutput
 
 
@@ -25,6 +27,8 @@ class UniProcExecutor(Executor):
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ringserve-step")
         # Steps whose forward was submitted and that wait for their grammar bitmask.
         self._awaiting_grammar: dict[int, tuple[Future[Any], Future[ModelRunnerOutput]]] = {}
+        self._may_skip = steps_may_be_skipped(config)
+        self._hold = False  # read by the step thread as each step starts
         self.worker = Worker(config, rank=0, local_rank=0)
         self._call("init_device")
         self._call("load_model")
@@ -39,8 +43,19 @@ class UniProcExecutor(Executor):
         self._call("initialize_kv_cache", num_blocks)
         self.num_blocks = num_blocks
 
+    def hold_steps(self, up: bool) -> bool:
+        if not self._may_skip:
+            return False
+        self._hold = up
+        return True
+
+    def _step(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
+        if self._hold:
+            return self.worker.skip_step(scheduler_output)
+        return self.worker.execute_model(scheduler_output)
+
     def _submit_step(self, scheduler_output: SchedulerOutput) -> Future[ModelRunnerOutput]:
-        forward = self._thread.submit(self.worker.execute_model, scheduler_output)
+        forward = self._thread.submit(self._step, scheduler_output)
         if not scheduler_output.grammar_req_ids:
             return forward  # type: ignore[return-value]  # not None without grammar rows
         result: Future[ModelRunnerOutput] = Future()
@@ -51,7 +66,9 @@ class UniProcExecutor(Executor):
         forward, result = self._awaiting_grammar.pop(grammar.step_id)
 
         def sample() -> ModelRunnerOutput:
-            forward.result()  # the forward's error, if it failed
+            skipped = forward.result()  # the forward's error, if it failed
+            if skipped is not None:
+                return skipped  # type: ignore[no-any-return]  # the step was skipped
             return self.worker.sample_tokens(grammar)
 
         _chain(self._thread.submit(sample), result)

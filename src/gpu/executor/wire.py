@@ -65,6 +65,8 @@ class WorkerSpec(msgspec.Struct, frozen=True):
         parent_pid: the executor's pid (the worker exits if its parent is not this pid).
         lifeline_fd: the inherited read end of the lifeline pipe.
         null_model: serve a `NullWorker` (engine-overhead benchmark) instead of the model.
+        hold_segment: the step-hold flag's segment name ("" when steps are never skipped;
+            `step_hold.py`).
     """
 
     config: EngineConfig
@@ -76,6 +78,7 @@ class WorkerSpec(msgspec.Struct, frozen=True):
     parent_pid: int
     lifeline_fd: int
     null_model: bool = False
+    hold_segment: str = ""
 
 
 class RpcRequest(msgspec.Struct, array_like=True, gc=False):

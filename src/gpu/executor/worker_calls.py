@@ -20,13 +20,16 @@ def describe(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}"
 
 
-def step_reply(worker: Any, rank: int, message: Any,
-               encoder: MsgpackEncoder) -> tuple[FrameKind, list[Buffer]] | None:
+def step_reply(worker: Any, rank: int, message: Any, encoder: MsgpackEncoder,
+               skip: bool = False) -> tuple[FrameKind, list[Buffer]] | None:
     """Run one step (a SchedulerOutput), or sample one that waited for its grammar (a
     GrammarOutput); the frame to send back (rank 0's output, or any rank's error), if any.
-    A step with constrained rows answers nothing until its grammar has come."""
+    A step with constrained rows answers nothing until its grammar has come. `skip`: apply
+    the step's bookkeeping only (`Worker.skip_step`; a pause came, `step_hold.py`)."""
     try:
-        if isinstance(message, GrammarOutput):
+        if skip:
+            output = worker.skip_step(message)
+        elif isinstance(message, GrammarOutput):
             output = worker.sample_tokens(message)
         else:
             output = worker.execute_model(message)

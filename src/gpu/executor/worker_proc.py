@@ -3,7 +3,8 @@
 Started by `multiproc.MultiprocExecutor` (never by hand). Start-up, in this order so a broken
 start is reported quickly: tie itself to the parent (`install_lifeline`: title
 `ringserve::Worker_TP<rank>`, PR_SET_PDEATHSIG, lifeline pipe), read its `WorkerSpec` (msgpack)
-from stdin, attach the broadcast ring as reader `rank` and its own response ring as writer
+from stdin, attach the step-hold flag (when the spec names one), the broadcast ring as reader `rank` and
+its own response ring as writer
 (before torch is imported, so the executor's attach wait is short), build the `Worker`, then
 serve the broadcast ring until a shutdown frame or the executor's death:
 
@@ -11,6 +12,9 @@ serve the broadcast ring until a shutdown frame or the executor's death:
   array buffers laid into one frame); an exception becomes a `StepError` frame from the rank
   that raised, and the loop goes on (the executor treats it as an engine fault);
 * `RPC`: call the named public method of the `Worker`; every rank replies (value or error);
+* a `STEP` read while the core's step-hold flag is up (a pause came: `step_hold.py`) is not
+  run: `Worker.skip_step` applies its bookkeeping and the reply is marked `skipped`; the
+  grammar bitmask that may follow such a step is dropped;
 * `SHUTDOWN`: close both rings and exit 0.
 
 Every frame is decoded and released before the work starts, so the executor can queue the
@@ -32,13 +36,15 @@ from typing import Any
 import msgspec
 
 from ringserve.gpu.executor.inbound import DECODE_ERRORS, DropLog, RequestDecoder, kind_name
+from ringserve.gpu.executor.step_hold import HoldFlag
 from ringserve.gpu.executor.wire import (
     FrameKind,
     WorkerSpec,
     read_buffers,
     write_message,
 )
-from ringserve.gpu.executor.worker_calls import reply_to
+from ringserve.gpu.executor.worker_calls import reply_to, step_reply
+from ringserve.gpu.wire import GrammarOutput, SchedulerOutput
 from ringserve.lifeline import install_lifeline
 from ringserve.serial import MsgpackEncoder
 from ringserve.shm import CorruptFrameError, PeerDiedError, RingClosedError, RingReader, RingWriter
@@ -52,10 +58,13 @@ class WorkerLoop:
         rank: the TP rank.
         sched: the broadcast ring's reading end.
         out: this rank's response ring's writing end.
+        hold: the step-hold flag (None where steps are never skipped: `step_hold.py`).
     """
 
-    def __init__(self, worker: Any, rank: int, sched: RingReader, out: RingWriter) -> None:
+    def __init__(self, worker: Any, rank: int, sched: RingReader, out: RingWriter,
+                 hold: HoldFlag | None = None) -> None:
         self.worker = worker
+        self.hold = hold
         self.rank = rank
         self.sched = sched
         self.out = out
@@ -93,9 +102,28 @@ class WorkerLoop:
             finally:
                 # Released before the work starts, so the executor can queue the next step.
                 sched.release()
-            reply = reply_to(self.worker, self.rank, message, self._encoder)
+            hold = self.hold
+            if hold is not None and isinstance(message, SchedulerOutput | GrammarOutput):
+                reply = self._held_step(hold, message)
+            else:
+                reply = reply_to(self.worker, self.rank, message, self._encoder)
             if reply is not None:
                 write_message(self.out, *reply)
+
+
+    def _held_step(self, hold: HoldFlag, message: SchedulerOutput | GrammarOutput
+                   ) -> tuple[FrameKind, list[Any]] | None:
+        """A step or bitmask where the step-hold flag exists: a step read while the flag
+        is up is skipped (its grammar bitmask, when it comes, dropped); the rest run."""
+        if isinstance(message, GrammarOutput):
+            if message.step_id in hold.skipped_grammar_steps:
+                hold.skipped_grammar_steps.discard(message.step_id)
+                return None
+        elif hold.is_up():
+            if message.grammar_req_ids:
+                hold.skipped_grammar_steps.add(message.step_id)
+            return step_reply(self.worker, self.rank, message, self._encoder, skip=True)
+        return step_reply(self.worker, self.rank, message, self._encoder)
 
 
 def _limit_cpu_threads(spec: WorkerSpec) -> None:
@@ -109,6 +137,8 @@ def _limit_cpu_threads(spec: WorkerSpec) -> None:
 
 def serve(spec: WorkerSpec) -> None:
     """Attach the rings, build the worker and serve until shutdown (the process's body)."""
+    # Before the rings: the executor unlinks the flag's name once they are attached.
+    hold = HoldFlag(spec.hold_segment) if spec.hold_segment and not spec.null_model else None
     sched = RingReader.attach(spec.sched_ring, spec.rank)
     out = RingWriter.attach(spec.out_ring)
     try:
@@ -125,10 +155,12 @@ def serve(spec: WorkerSpec) -> None:
                 spec.config, rank=spec.rank, local_rank=spec.local_rank,
                 distributed_init_method=spec.distributed_init_method,
             )
-        WorkerLoop(worker, spec.rank, sched, out).run()
+        WorkerLoop(worker, spec.rank, sched, out, hold).run()
     finally:
         out.close()
         sched.close()
+        if hold is not None:
+            hold.close()
 
 
 def main() -> int:

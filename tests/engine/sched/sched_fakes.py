@@ -144,33 +144,7 @@ class FakeWorker:
     def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
         """Run one step; returns the sampled tokens."""
         self.steps += 1
-        for rid in so.finished_req_ids:
-            self.reqs.pop(rid, None)
-            self.prompt_lens.pop(rid, None)
-        for rid in so.preempted_req_ids:
-            self.reqs.pop(rid, None)
-        for new in so.scheduled_new_reqs:
-            assert new.req_id not in self.reqs
-            self.prompt_lens[new.req_id] = len(new.prompt_token_ids)
-            self.reqs[new.req_id] = _WorkerRequest(
-                len(new.prompt_token_ids),
-                list(new.prompt_token_ids) + list(new.output_token_ids),
-                list(new.block_ids),
-                new.num_computed_tokens,
-            )
-        for cached in so.scheduled_cached_reqs:
-            if cached.resumed_from_preemption:
-                assert cached.req_id not in self.reqs
-                self.reqs[cached.req_id] = _WorkerRequest(
-                    self.prompt_lens[cached.req_id],
-                    list(cached.all_token_ids),
-                    list(cached.new_block_ids),
-                    cached.num_computed_tokens,
-                )
-            else:
-                st = self.reqs[cached.req_id]
-                assert st.computed == cached.num_computed_tokens, (cached, st.computed)
-                st.blocks.extend(cached.new_block_ids)
+        self._apply_diff(so)
         assert so.total_num_scheduled_tokens == sum(so.num_scheduled_tokens.values())
         bs = self.block_size
         # Pass 1: write the new positions' KV (as a layer does for the whole batch).
@@ -198,6 +172,48 @@ class FakeWorker:
             else:
                 sampled.append([])
         return ModelRunnerOutput(so.step_id, req_ids, sampled)
+
+    def skip(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        """Skip one step as a worker does while a pause holds the steps
+        (`ringserve.gpu.executor.step_hold`): its bookkeeping only, no KV written, nothing
+        sampled; the requests that would have sampled are listed."""
+        self._apply_diff(so, skipping=True)
+        # The step's own computed counts: one skipped before it did not advance the worker's.
+        computed = {new.req_id: new.num_computed_tokens for new in so.scheduled_new_reqs}
+        computed.update((c.req_id, c.num_computed_tokens) for c in so.scheduled_cached_reqs)
+        sampling = [rid for rid, n in so.num_scheduled_tokens.items()
+                    if computed[rid] + n >= len(self.reqs[rid].tokens)]
+        return ModelRunnerOutput(so.step_id, sampling, [[] for _ in sampling], skipped=True)
+
+    def _apply_diff(self, so: SchedulerOutput, skipping: bool = False) -> None:
+        for rid in so.finished_req_ids:
+            self.reqs.pop(rid, None)
+            self.prompt_lens.pop(rid, None)
+        for rid in so.preempted_req_ids:
+            self.reqs.pop(rid, None)
+        for new in so.scheduled_new_reqs:
+            assert new.req_id not in self.reqs
+            self.prompt_lens[new.req_id] = len(new.prompt_token_ids)
+            self.reqs[new.req_id] = _WorkerRequest(
+                len(new.prompt_token_ids),
+                list(new.prompt_token_ids) + list(new.output_token_ids),
+                list(new.block_ids),
+                new.num_computed_tokens,
+            )
+        for cached in so.scheduled_cached_reqs:
+            if cached.resumed_from_preemption:
+                assert cached.req_id not in self.reqs
+                self.reqs[cached.req_id] = _WorkerRequest(
+                    self.prompt_lens[cached.req_id],
+                    list(cached.all_token_ids),
+                    list(cached.new_block_ids),
+                    cached.num_computed_tokens,
+                )
+            else:
+                st = self.reqs[cached.req_id]
+                # A step skipped before this one did not advance the count.
+                assert skipping or st.computed == cached.num_computed_tokens, (cached, st.computed)
+                st.blocks.extend(cached.new_block_ids)
 
 
 @dataclass
@@ -244,10 +260,23 @@ class Driver:
             self.apply_one()
         return so
 
+    def pause(self, num_skipped: int = 1) -> None:
+        """A pause arrives (`ringserve.gpu.executor.step_hold`): the next `num_skipped`
+        steps are scheduled and skipped by the worker (the first one while the step before
+        it, in async mode, is still in flight), then every step in flight is applied."""
+        for _ in range(num_skipped):
+            so = self.sched.schedule()
+            self.in_flight.append((so, self.worker.skip(so)))
+        self.flush()
+
     def apply_one(self) -> None:
-        """Apply the oldest step in flight."""
+        """Apply the oldest step in flight (taking back one the worker skipped)."""
         so, mro = self.in_flight.pop(0)
-        self.collect(self.sched.update_from_output(so, mro))
+        if mro.skipped:
+            self.sched.rollback_step(so, mro)
+            self.collect(self.sched.take_pending_outputs())
+        else:
+            self.collect(self.sched.update_from_output(so, mro))
         if self.check:
             self.sched.check_invariants()
 

@@ -1,5 +1,6 @@
 """Hypothesis-driven random workloads: arrivals, aborts, random outputs (EOS, stop ids),
-tiny caches, both policies, sync and async stepping. Every step checks the scheduler's books
+tiny caches, both policies, sync and async stepping, pauses whose queued steps the worker
+skips (keep, or abort ending everything). Every step checks the scheduler's books
 and the fake worker checks the KV contents; at the end every request's tokens must equal the
 deterministic sampler's sequence cut by the stop rules, and every block must be free."""
 
@@ -84,6 +85,10 @@ def workloads(draw: st.DrawFn) -> tuple[dict[str, object], bool, list[list[tuple
         for _ in range(draw(st.integers(0, 3))):
             if count and draw(st.integers(0, 4)) == 0:
                 ops.append(("abort", f"r{draw(st.integers(0, count - 1))}"))
+            elif count and draw(st.integers(0, 5)) == 0:
+                # A pause that skips the queued steps (step_hold.py); abort ends everything.
+                ops.append(("pause", (draw(st.sampled_from(["keep", "abort"])),
+                                      draw(st.integers(1, 2)))))
             else:
                 ops.append(("add", draw(specs(count))))
                 count += 1
@@ -135,6 +140,13 @@ def test_random_workloads_keep_the_books(
                         cache_salt=arg.salt,
                     )
                 )
+            elif kind == "pause":
+                assert isinstance(arg, tuple)
+                mode, num_skipped = arg
+                d.pause(num_skipped)
+                if mode == "abort":
+                    aborted.update(sched.requests)
+                    sched.finish_requests(list(sched.requests))
             else:
                 assert isinstance(arg, str)
                 if arg in sched.requests:
