@@ -74,8 +74,13 @@ class _RsStep(ctypes.Structure):
     _fields_ = [
         ("n", _i64), ("token_ids", _ptr), ("positions", _ptr), ("slots", _ptr),
         ("tables", _ptr), ("max_blocks", _i64), ("lens", _ptr), ("max_len", _i64),
-        ("out", _ptr), ("work", _ptr), ("nthreads", _i64),
+        ("out", _ptr), ("work", _ptr), ("nthreads", _i64), ("abort_flag", _ptr),
     ]
+
+
+class StepAborted(Exception):
+    """The step stopped between two layers: its abort flag was raised (a pause came,
+    `ringserve.gpu.executor.step_hold`); nothing was sampled and the step is taken back."""
 
 
 @dataclass(frozen=True)
@@ -191,10 +196,16 @@ class DecodeCapture:
         `max_batch` of them."""
         return inputs.meta.max_query_len == 1 and 0 < len(inputs.req_ids) <= self.max_batch
 
-    def run(self, inputs: StepInputs) -> torch.Tensor:
+    def run(self, inputs: StepInputs, abort_flag: int = 0) -> torch.Tensor:
         """The final hidden states [B, hidden] of the step's decodes (as the eager stack).
 
+        Args:
+            inputs: the step.
+            abort_flag: the address of a byte read between layers (nonzero ends the step);
+                0: never ends early.
+
         Raises:
+            StepAborted: the flag was raised during the step.
             ValueError: a decode's block, slot, position or token is outside the cache, the
                 rope table or the vocabulary (a schedule the worker cannot run).
             MemoryError: the step's scratch buffer could not be allocated.
@@ -207,8 +218,11 @@ class DecodeCapture:
             n, ids.data_ptr(), positions.data_ptr(), slots.data_ptr(),
             plan.tables.ctypes.data, plan.tables.shape[1], plan.lens.ctypes.data, plan.max_len,
             self._out.data_ptr(), self._work.data_ptr(), torch.get_num_threads(),
+            abort_flag or None,
         )
         status = self._library.rs_decode_step(ctypes.byref(self._model), ctypes.byref(step))
+        if status == -3:
+            raise StepAborted("the decode step was ended by its abort flag")
         if status == -2:
             raise ValueError("decode step: a token id, position or KV slot is out of range")
         if status != 0:

@@ -82,6 +82,9 @@ typedef struct {
     float *out;                                 /* [n, hidden] final normed hidden states */
     float *work;                                /* rs_step_work_floats(model, n) floats */
     int64_t nthreads;
+    /* Read between layers: nonzero ends the step there (a pause came; the step is taken
+     * back and run again later, so the KV it wrote is rewritten). NULL: never. */
+    const volatile unsigned char *abort_flag;
 } rs_step;
 
 static int64_t qkv_width(const rs_model *m)
@@ -302,7 +305,8 @@ static void layer_forward(const rs_model *m, const rs_layer *layer, const rs_ste
 }
 
 /* Runs the step. Returns 0; -1: a scratch buffer could not be allocated; -2: a token id,
- * position or slot is out of range (nothing was computed or written). */
+ * position or slot is out of range (nothing was computed or written); -3: `abort_flag` was
+ * raised and the step stopped between two layers (`out` holds nothing). */
 int rs_decode_step(const rs_model *m, const rs_step *s)
 {
     const int64_t n = s->n, hid = m->hidden;
@@ -352,6 +356,7 @@ int rs_decode_step(const rs_model *m, const rs_step *s)
     float *residual = s->work, *normed = residual + n * hid, *tmp = normed + n * hid;
     float *qkv = tmp + n * hid, *attn = qkv + n * qkv_width(m);
     float *gu = attn + n * m->num_heads * m->head_dim, *act = gu + n * 2 * m->intermediate;
+    int aborted = 0; /* shared: set by one thread, read by all after the single's barrier */
 
 #pragma omp parallel num_threads((int)s->nthreads)
     {
@@ -368,9 +373,19 @@ int rs_decode_step(const rs_model *m, const rs_step *s)
                           last ? m->final_norm : m->layers[l + 1].input_norm,
                           last ? s->out : normed, residual, normed, tmp, qkv, attn, gu, act,
                           mine, &ms);
+            if (s->abort_flag != NULL && !last) {
+#pragma omp single
+                aborted = *s->abort_flag != 0;
+                /* Every thread reads it after the barrier, and none writes it again before
+                 * all have passed the next layer's barriers: they all stop here, or none. */
+                if (aborted)
+                    break;
+            }
         }
     }
     free(scores);
     free(moe_block);
+    if (aborted)
+        return -3;
     return ms.status == 0 ? 0 : -2;
 }

@@ -30,7 +30,7 @@ from ringserve.config import EngineConfig
 from ringserve.gpu import panel_native
 from ringserve.gpu.attention.backend import BackendName, select_backend
 from ringserve.gpu.bad_words import bad_words_encoder
-from ringserve.gpu.decode_capture import DecodeCapture
+from ringserve.gpu.decode_capture import DecodeCapture, StepAborted
 from ringserve.gpu.grammar_mask import apply_bitmask
 from ringserve.gpu.input_prep import StepInputs, prepare_inputs
 from ringserve.gpu.kv_cache import KVCacheSpec, allocate_kv_cache
@@ -94,6 +94,12 @@ class ModelRunner:
         self._awaiting_grammar: _ForwardDone | None = None
         self.capture: DecodeCapture | None = None
         self.capture_reason = "not captured yet"
+        # The address of the step-hold byte (`ringserve.gpu.executor.step_hold`), read by the
+        # captured decode step between layers: raised, the step ends there and is answered
+        # as skipped. 0: steps always run to the end.
+        self.abort_flag = 0
+        # Constrained steps ended that way: the bitmask still coming for one is dropped.
+        self._dropped_grammar: set[int] = set()
         # Per MoE layer, tokens routed to each expert (`enable_expert_load`); None: not counted.
         self._expert_load: list[torch.Tensor] | None = None
 
@@ -235,6 +241,8 @@ class ModelRunner:
         self.request_errors = {}
         if not self.kv_caches:
             raise RuntimeError("ModelRunner.initialize_kv_cache() must run before execute_model")
+        # A bitmask for a step ended early came before this step (frames arrive in order).
+        self._dropped_grammar.clear()
         self._apply_diff(scheduler_output)
         req_ids = [
             r for r in scheduler_output.num_scheduled_tokens
@@ -254,7 +262,12 @@ class ModelRunner:
         )
         inputs = prepare_inputs(self.table, req_ids, num_scheduled, self.device)
         if self.capture is not None and self.capture.accepts(inputs):
-            hidden = self.capture.run(inputs)
+            try:
+                hidden = self.capture.run(inputs, self.abort_flag)
+            except StepAborted:  # a pause came mid-step: taken back like a skipped step
+                if scheduler_output.grammar_req_ids:
+                    self._dropped_grammar.add(scheduler_output.step_id)
+                return self._skipped(scheduler_output)
         else:
             hidden = self.model.forward(inputs.input_ids, inputs.positions, self.kv_caches,
                                         inputs.meta)
@@ -279,6 +292,10 @@ class ModelRunner:
         """
         self.request_errors = {}
         self._apply_diff(scheduler_output)
+        return self._skipped(scheduler_output)
+
+    def _skipped(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        """The output of a step whose bookkeeping was applied and that samples nothing."""
         table = self.table
         sampling: list[str] = []
         for req_id, n in scheduler_output.num_scheduled_tokens.items():
@@ -295,13 +312,17 @@ class ModelRunner:
         )
 
     @torch.inference_mode()
-    def sample_tokens(self, grammar: GrammarOutput) -> ModelRunnerOutput:
+    def sample_tokens(self, grammar: GrammarOutput) -> ModelRunnerOutput | None:
         """Sample the step whose forward `execute_model` ran, its constrained rows masked
-        by `grammar` (the core's bitmask for the step).
+        by `grammar` (the core's bitmask for the step). None (nothing to send) for the
+        bitmask of a step that was ended early and answered as skipped.
 
         Raises:
             ValueError: no step waits for a grammar, or it is another step's.
         """
+        if grammar.step_id in self._dropped_grammar:
+            self._dropped_grammar.discard(grammar.step_id)
+            return None
         step, self._awaiting_grammar = self._awaiting_grammar, None
         if step is None or step.step_id != grammar.step_id:
             raise ValueError(f"sample_tokens: a grammar for step {grammar.step_id}, but the "

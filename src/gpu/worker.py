@@ -60,6 +60,7 @@ class Worker:
         self.device = torch.device("cpu")
         self.tp = TPGroup()
         self._runner: ModelRunner | None = None
+        self._abort_flag = 0  # `set_abort_flag`, handed to the runner once it exists
         self._num_blocks = 0
         self._sleep_level = 0
         self._updater: WeightUpdater | None = None
@@ -96,6 +97,7 @@ class Worker:
     def load_model(self) -> None:
         """Build the runner and load the weights onto the device."""
         self._runner = ModelRunner(self.config, self.device, self.tp, self.attention_backend)
+        self._runner.abort_flag = self._abort_flag
         self._runner.load_model()
 
     def determine_num_blocks(self) -> int:
@@ -232,8 +234,16 @@ class Worker:
         """Apply a step's bookkeeping without running it (`ModelRunner.skip_step`)."""
         return self.runner.skip_step(scheduler_output)
 
-    def sample_tokens(self, grammar: GrammarOutput) -> ModelRunnerOutput:
-        """Sample the step waiting for its grammar bitmask."""
+    def set_abort_flag(self, address: int) -> None:
+        """The step-hold byte the captured decode step reads between layers (its address
+        in this process; `ModelRunner.abort_flag`)."""
+        self._abort_flag = address
+        if self._runner is not None:
+            self._runner.abort_flag = address
+
+    def sample_tokens(self, grammar: GrammarOutput) -> ModelRunnerOutput | None:
+        """Sample the step waiting for its grammar bitmask (None: that step was ended
+        early, `ModelRunner.sample_tokens`)."""
         return self.runner.sample_tokens(grammar)
 
     @property

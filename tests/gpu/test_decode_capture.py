@@ -6,6 +6,7 @@ settings run eagerly, and why; and a bad schedule failing without running the st
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 from pathlib import Path
 
@@ -65,9 +66,9 @@ def _steps_by_path(runner: ModelRunner) -> dict[str, set[int]]:
     assert capture is not None
     run, forward = capture.run, runner.model.forward
 
-    def captured(inputs):  # type: ignore[no-untyped-def]
+    def captured(inputs, abort_flag=0):  # type: ignore[no-untyped-def]
         seen["captured"].add(len(inputs.req_ids))
-        return run(inputs)
+        return run(inputs, abort_flag)
 
     def eager(input_ids, positions, caches, meta):  # type: ignore[no-untyped-def]
         if meta.max_query_len == 1:
@@ -159,3 +160,32 @@ def test_cuda_graph_sizes_are_checked() -> None:
         EngineArgs(cuda_graph_sizes=[4, 2]).create_engine_config()
     with pytest.raises(ValueError, match="cuda_graph_sizes"):
         EngineArgs(cuda_graph_sizes=[0]).create_engine_config()
+
+
+def test_a_raised_abort_flag_ends_the_step_and_its_rerun_is_unchanged() -> None:
+    """The step-hold byte (`ringserve.gpu.executor.step_hold`) ends a captured step between
+    two layers; the step run again over the KV the ended one half wrote gives the same
+    tokens and logprobs as steps that were never ended."""
+    from ringserve.gpu.decode_capture import StepAborted
+
+    model = tiny_model("llama")
+    want = _mix(_runner(model))
+    runner = _runner(model)
+    capture = runner.capture
+    assert capture is not None
+    run = capture.run
+    up, down = ctypes.c_ubyte(1), ctypes.c_ubyte(0)
+    ended = []
+
+    def ending(inputs, abort_flag=0):  # type: ignore[no-untyped-def]
+        with pytest.raises(StepAborted):
+            run(inputs, ctypes.addressof(up))
+        ended.append(len(inputs.req_ids))
+        return run(inputs, ctypes.addressof(down))
+
+    capture.run = ending  # type: ignore[method-assign]
+    got = _mix(runner)
+    assert ended
+    assert got[0] == want[0]
+    for rid, logprobs in want[1].items():
+        np.testing.assert_array_equal(got[1][rid], logprobs)

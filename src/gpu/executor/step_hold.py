@@ -19,6 +19,11 @@ in flight at that moment comes back, run or skipped, before another one is sent;
 that skipped one therefore never runs a step scheduled after it. The flag comes down once
 none is in flight, before the pause itself is applied.
 
+The captured decode step also reads the flag between its layers (`HoldFlag.address`): a
+step already running when the pause comes ends at the next layer and is answered as skipped
+too (the KV it wrote for its positions is rewritten when it runs again). Eager steps
+(prefills, mixed batches) run to their end.
+
 Only where one worker decides alone: a single TP rank (ranks would read the flag at different
 moments and disagree; their forwards meet in collectives) and no lockstep data parallelism
 (the other cores' forwards wait for this one's expert exchanges). Elsewhere `StepHold.for_config`
@@ -26,6 +31,8 @@ gives None (`steps_may_be_skipped` False) and steps run as before.
 """
 
 from __future__ import annotations
+
+import ctypes
 
 from ringserve.config import EngineConfig
 from ringserve.shm.segment import Segment
@@ -84,13 +91,23 @@ class HoldFlag:
     def __init__(self, name: str) -> None:
         self._segment = Segment.attach(name)
         self._mapping = self._segment.mapping
+        # A view of the byte, for its address (released before the unmap).
+        self._byte: ctypes.c_ubyte | None = ctypes.c_ubyte.from_buffer(self._mapping)
         # Steps skipped whose grammar bitmask may still come: it is dropped.
         self.skipped_grammar_steps: set[int] = set()
+
+    @property
+    def address(self) -> int:
+        """The flag byte's address in this process (the captured decode step reads it
+        between layers and ends the step there: `ModelRunner.abort_flag`)."""
+        assert self._byte is not None, "the flag is closed"
+        return ctypes.addressof(self._byte)
 
     def is_up(self) -> bool:
         """True while the core asks for the steps read now to be skipped."""
         return self._mapping[0] != 0
 
     def close(self) -> None:
-        """Unmap the segment."""
+        """Unmap the segment (nothing may read the address afterwards)."""
+        self._byte = None
         self._segment.close()

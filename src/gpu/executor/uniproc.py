@@ -8,6 +8,7 @@ starts while a pause holds the steps (`hold_steps`) is skipped (`step_hold.py`).
 
 from __future__ import annotations
 
+import ctypes
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -28,10 +29,14 @@ class UniProcExecutor(Executor):
         # Steps whose forward was submitted and that wait for their grammar bitmask.
         self._awaiting_grammar: dict[int, tuple[Future[Any], Future[ModelRunnerOutput]]] = {}
         self._may_skip = steps_may_be_skipped(config)
-        self._hold = False  # read by the step thread as each step starts
+        # The step-hold byte: read by the step thread as each step starts, and by the
+        # captured decode step between its layers.
+        self._hold = ctypes.c_ubyte(0)
         self.worker = Worker(config, rank=0, local_rank=0)
         self._call("init_device")
         self._call("load_model")
+        if self._may_skip:
+            self.worker.set_abort_flag(ctypes.addressof(self._hold))
 
     def _call(self, method: str, *args: Any, timeout: float | None = None) -> Any:
         return self._thread.submit(getattr(self.worker, method), *args).result(timeout)
@@ -46,11 +51,11 @@ class UniProcExecutor(Executor):
     def hold_steps(self, up: bool) -> bool:
         if not self._may_skip:
             return False
-        self._hold = up
+        self._hold.value = 1 if up else 0
         return True
 
     def _step(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
-        if self._hold:
+        if self._hold.value:
             return self.worker.skip_step(scheduler_output)
         return self.worker.execute_model(scheduler_output)
 
@@ -69,7 +74,9 @@ class UniProcExecutor(Executor):
             skipped = forward.result()  # the forward's error, if it failed
             if skipped is not None:
                 return skipped  # type: ignore[no-any-return]  # the step was skipped
-            return self.worker.sample_tokens(grammar)
+            output = self.worker.sample_tokens(grammar)
+            assert output is not None  # only the bitmask of a step ended early gives None
+            return output
 
         _chain(self._thread.submit(sample), result)
 

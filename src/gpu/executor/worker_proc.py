@@ -14,7 +14,8 @@ serve the broadcast ring until a shutdown frame or the executor's death:
 * `RPC`: call the named public method of the `Worker`; every rank replies (value or error);
 * a `STEP` read while the core's step-hold flag is up (a pause came: `step_hold.py`) is not
   run: `Worker.skip_step` applies its bookkeeping and the reply is marked `skipped`; the
-  grammar bitmask that may follow such a step is dropped;
+  grammar bitmask that may follow such a step is dropped (a captured decode step running when
+  the flag goes up ends between two layers and is answered the same way);
 * `SHUTDOWN`: close both rings and exit 0.
 
 Every frame is decoded and released before the work starts, so the executor can queue the
@@ -155,6 +156,8 @@ def serve(spec: WorkerSpec) -> None:
                 spec.config, rank=spec.rank, local_rank=spec.local_rank,
                 distributed_init_method=spec.distributed_init_method,
             )
+        if hold is not None:
+            worker.set_abort_flag(hold.address)  # the captured decode step reads it
         WorkerLoop(worker, spec.rank, sched, out, hold).run()
     finally:
         out.close()
