@@ -18,9 +18,11 @@ bytes over the update phase alone, the transport; "round GB/s" over the whole ro
 baseline is a `copy_` of every source tensor into a preallocated one (the same bytes, one
 read and one write), median of 5, at the same thread count. The cycle is `pause("keep")` ->
 one round -> `resume()` with four requests in flight (each decoding: past its prefill, so the
-pause waits for one decode step) that continue afterwards (their KV is recomputed), target:
-under the memcpy time + 100 ms; a line per shape and backend says where its time went (the
-pause, which returns once the step in flight has ended, the round's phases, the resume).
+pause ends the captured decode step running at the next layer, and the step queued behind it
+is skipped: `ringserve.gpu.executor.step_hold`) that continue afterwards (their KV is
+recomputed), target: under the memcpy time + 100 ms; a line per shape and backend says where
+its time went (the pause, which returns once no step is in flight, the round's phases, the
+resume).
 
     .venv/bin/python scripts/bench_weight_sync.py [--shapes 135m,500m] [--backends shm,gloo]
         [--rounds 3] [--threads 2] [--no-snapshot] [--bucket-bytes N]
@@ -232,8 +234,8 @@ def report(r: dict[str, Any]) -> list[str]:
 
 
 def cycle_report(r: dict[str, Any]) -> str:
-    """Where the cycle's time went (median ms): the pause (a step in flight ends first), the
-    round and its phases, the resume."""
+    """Where the cycle's time went (median ms): the pause (the steps in flight end or are
+    skipped first), the round and its phases, the resume."""
     parts = r["cycle_parts_s"]
     return (f"{r['shape']} {r['backend']} cycle: " + ", ".join(
         f"{k} {statistics.median(v) * 1e3:.1f}" for k, v in parts.items()) + " ms (medians)")
