@@ -151,6 +151,9 @@ class Scheduler(BooksMixin):
         # Finished since the last schedule(): workers drop their state.
         self._finished_req_ids: list[str] = []
         self._invalidated: list[str] = []  # preempted by new weights, for the next step
+        # Requests a skipped step admitted and `rollback_step` queued again (until the next
+        # step: the later skipped steps that name them are taken back before it).
+        self._taken_back: set[str] = set()
         # Outputs produced between steps (admission errors, notified aborts), per client.
         self._pending_outputs: list[tuple[int, EngineCoreOutput]] = []
         # Finished since the last update_from_output(), per client.
@@ -214,6 +217,8 @@ class Scheduler(BooksMixin):
             the others only what changed.
         """
         self._step_id += 1
+        if self._taken_back:
+            self._taken_back.clear()
         if self.waiting_for_grammar:
             self._admit_compiled()
         step = _Step(self._step_id, self.max_num_batched_tokens)

@@ -37,6 +37,7 @@ class BooksMixin(OutputMixin):
     max_num_seqs: int
     _finished_req_ids: list[str]
     _invalidated: list[str]
+    _taken_back: set[str]
     running: list[Request]
     _num_preemptions: int
     _step_id: int
@@ -197,11 +198,22 @@ class BooksMixin(OutputMixin):
 
         The workers applied its bookkeeping (new, finished and preempted requests, blocks),
         so that stays; what it would have computed is taken back: each request's computed
-        count and, where it would have sampled (`model_output.req_ids`), its placeholder;
-        the prefix-cache entries of the blocks it would have written. A request admitted by
-        this step goes back to the front of the waiting queue with its blocks freed (the
-        workers release its slot with the next step and keep its state for the resume).
-        Skipped steps are always the newest in flight, and are taken back oldest first.
+        count (back to what the step says it was before it) and, where it would have sampled
+        (`model_output.req_ids`), its placeholder; the prefix-cache entries of the blocks it
+        would have written. A request admitted by this step goes back to the front of the
+        waiting queue with its blocks freed (the workers release its slot with the next step
+        and keep its state for the resume).
+
+        Skipped steps are always the newest in flight (once one is skipped, every later one
+        is), and are taken back oldest first: the first taken back sets a request's count to
+        where the skipped ones began (a count a later one would restore is higher: `min`).
+
+        A request of the step whose blocks were freed since it was scheduled (it finished,
+        was aborted or preempted meanwhile) had them registered in the prefix cache up to
+        its computed count, which counted this step's positions: their KV was never
+        written, and the blocks are no longer known here. The whole prefix cache is then
+        reset (blocks in use stay with their requests): a pause costs the cached prefixes
+        then, never a stale one served.
         """
         if model_output.request_errors:
             self._fail_in_worker(model_output.request_errors)
@@ -209,18 +221,29 @@ class BooksMixin(OutputMixin):
         sampling = set(model_output.req_ids)
         kv = self.kv_cache_manager
         requests = self.requests
+        before = {new.req_id: new.num_computed_tokens
+                  for new in scheduler_output.scheduled_new_reqs}
+        before.update((cached.req_id, cached.num_computed_tokens)
+                      for cached in scheduler_output.scheduled_cached_reqs)
         unadmitted: list[Request] = []
-        for request_id, n in scheduler_output.num_scheduled_tokens.items():
+        freed_since = False
+        for request_id in scheduler_output.num_scheduled_tokens:
             req = requests.get(request_id)
-            # Gone, or preempted since (then its books were reset already).
             if req is None or req.status is not _RUNNING or step_id < req.scheduled_since_step:
+                # Gone, or preempted since: its books were reset then; its blocks were freed
+                # (registered) unless an earlier skipped step already took it back.
+                if request_id not in self._taken_back:
+                    freed_since = True
                 continue
-            req.num_computed_tokens -= n
+            if before[request_id] < req.num_computed_tokens:
+                req.num_computed_tokens = before[request_id]
             if request_id in sampling and req.num_output_placeholders:
                 req.num_output_placeholders -= 1
             kv.uncache_from(req, req.num_computed_tokens)
             if req.scheduled_since_step == step_id:
                 unadmitted.append(req)
+        if freed_since:
+            kv.reset_prefix_cache()
         if not unadmitted:
             return
         for req in reversed(unadmitted):  # prepended in reverse: the queue keeps their order
@@ -230,6 +253,7 @@ class BooksMixin(OutputMixin):
             req.num_output_placeholders = 0
             self.waiting.prepend(req)
             self._invalidated.append(req.request_id)
+            self._taken_back.add(req.request_id)
         gone = set(unadmitted)
         self.running = [r for r in self.running if r not in gone]
 

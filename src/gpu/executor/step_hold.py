@@ -32,6 +32,7 @@ gives None (`steps_may_be_skipped` False) and steps run as before.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 
 from ringserve.config import EngineConfig
@@ -67,7 +68,8 @@ class StepHold:
         """Raise (workers skip the steps they read from now on) or lower the flag."""
         segment = self._segment
         if segment is not None:
-            segment.mapping[0] = 1 if up else 0
+            with contextlib.suppress(ValueError):  # unmapped by a shutdown meanwhile
+                segment.mapping[0] = 1 if up else 0
 
     def unlink(self) -> None:
         """Remove the name once the workers have mapped it (idempotent)."""

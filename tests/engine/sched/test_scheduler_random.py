@@ -11,7 +11,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from sched_fakes import EOS, Driver, check_no_leaks, make_request, make_scheduler
 
@@ -111,8 +111,30 @@ def expected_tokens(spec: Spec, max_model_len: int) -> tuple[list[int], FinishRe
             return out, FinishReason.LENGTH
 
 
+def _spec(rid: str, prompt: list[int], max_tokens: int) -> Spec:
+    return Spec(rid, prompt, max_tokens, 0, False, False, 0, None)
+
+
+_CONFIG: dict[str, object] = {
+    "num_blocks": 4, "block_size": 1, "max_num_seqs": 1, "max_num_batched_tokens": 4,
+    "max_model_len": 8, "enable_chunked_prefill": False, "long_prefill_token_threshold": 0,
+    "policy": "fcfs", "enable_prefix_caching": True}
+
+
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(workloads())
+# Two skipped steps, the first admitting r1: its prompt block, registered by the first, must
+# be taken back although the second counted more of its tokens.
+@example((_CONFIG, False, [[("add", _spec("r0", [], 1))],
+                           [("add", _spec("r1", [10, 10], 2)), ("pause", ("keep", 2))]]))
+# A request whose blocks are freed (registered) after a skipped step scheduled it: no prefix
+# hit on a block of that step's positions.
+@example(({**_CONFIG, "num_blocks": 6, "block_size": 2, "max_num_seqs": 2,
+           "enable_chunked_prefill": True}, False,
+          [[("add", _spec("r0", [], 1))], [("add", _spec("r1", [10], 5))],
+           [("add", _spec("r2", [], 1))],
+           [("add", _spec("r3", [], 1)), ("add", _spec("r4", [10] * 5, 1)), ("abort", "r0")],
+           [("pause", ("keep", 2))]]))
 def test_random_workloads_keep_the_books(
     workload: tuple[dict[str, object], bool, list[list[tuple[str, object]]]],
 ) -> None:
