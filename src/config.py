@@ -272,6 +272,8 @@ class ParallelConfig:
     distributed_executor_backend: ExecutorBackend = "uni"
     # Experts partitioned over the TP x DP workers instead of sliced over the TP ranks.
     enable_expert_parallel: bool = False
+    # Lockstep only: a consensus step every this many steps of a wave, and at its first.
+    dp_sync_interval: int = 16
     # Set per engine core at start-up: its data-parallel rank, and the port of the
     # frontend's TCPStore that the cores and workers of a lockstep deployment meet at.
     data_parallel_rank: int = 0

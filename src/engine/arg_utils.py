@@ -69,6 +69,7 @@ class EngineArgs:
     tensor_parallel_size: int = 1
     data_parallel_size: int = 1
     enable_expert_parallel: bool = False
+    dp_sync_interval: int = 16
     distributed_executor_backend: str | None = None
     gpu_memory_utilization: float = 0.92
     kv_cache_memory: int | None = None
@@ -176,6 +177,7 @@ class EngineArgs:
                 data_parallel_size=self.data_parallel_size,
                 distributed_executor_backend=self._executor_backend(),
                 enable_expert_parallel=self.enable_expert_parallel,
+                dp_sync_interval=self.dp_sync_interval,
             ),
             device_config=DeviceConfig(device=_resolve_device(self.device)),
             observability_config=ObservabilityConfig(
@@ -324,7 +326,8 @@ class EngineArgs:
         return "mp" if backend == "mp" else "uni"
 
     def _verify(self) -> None:
-        for name in ("max_num_seqs", "tensor_parallel_size", "data_parallel_size", "block_size"):
+        for name in ("max_num_seqs", "tensor_parallel_size", "data_parallel_size", "block_size",
+                     "dp_sync_interval"):
             _require(name, getattr(self, name), lambda v: v >= 1, "an integer >= 1")
         _require("block_size", self.block_size, lambda v: v & (v - 1) == 0 and v <= 256,
                  "a power of two up to 256")
@@ -437,6 +440,9 @@ _FLAG_SPECS: tuple[_FlagSpec, ...] = (
               "TP x DP workers (tokens go to their expert's rank and back by all-to-all; "
               "with DP > 1 the engine cores step in lockstep) instead of slicing every "
               "expert over the TP ranks", boolean=True, aliases=("-ep",)),
+    _FlagSpec("dp_sync_interval", "lockstep data parallelism (expert-parallel MoE): "
+              "the cores' consensus step (does any core have work?) every this many "
+              "steps of a wave, and at its first", int),
     _FlagSpec("distributed_executor_backend", "executor", str, ("uni", "mp", "ray")),
     _FlagSpec("gpu_memory_utilization", "fraction of GPU memory to use", float),
     _FlagSpec("kv_cache_memory", "KV cache size in bytes (e.g. 1G, 512MiB)", parse_bytes),

@@ -336,7 +336,8 @@ class EngineCoreProc:
             self.engine_index, parallel.data_parallel_size, parallel.data_parallel_master_port,
             lockstep_timeout(self.config.fault_tolerance_config.execute_model_timeout_s),
             lambda epoch, n: put(_WaveStarted(epoch, n)),
-            lambda epoch, reason: put(_PeerFaulted(epoch, reason)))
+            lambda epoch, reason: put(_PeerFaulted(epoch, reason)),
+            parallel.dp_sync_interval)
 
     def announce_fault(self, error: BaseException) -> None:
         """An engine fault of this core ends the lockstep epoch for every core (a no-op

@@ -8,9 +8,11 @@ run a forward whenever any core does: a core with nothing to schedule runs a dum
 layers' exchanges with no token). The cores step in *waves* (vLLM's request waves): wave n
 starts when some core gets work while idle; that core sets the key `wave/n` in the frontend's
 TCPStore, and a thread of every core, blocked on the next wave's key, wakes its busy loop.
-Within a wave every core runs the same loop: an all-reduce of "I have work" over a gloo group
-of the cores (the consensus step, each step), then a real step or a dummy pass. The wave ends
-at the consensus step where no core has work; all cores see the same sum, so they leave the
+Within a wave every core runs the same loop: a real step or a dummy pass, preceded at the
+wave's first step and then every `--dp-sync-interval` steps (default 16, vLLM's) by an
+all-reduce of "I have work" over a gloo group of the cores (the consensus step; between two,
+every core steps, a core without work by a dummy pass). The wave ends at the consensus step
+where no core has work; all cores see the same sum, so they leave the
 wave together, and all of them count it: the wave number is the same on every core. A wake-up
 for a wave that has already ended (a core saw `wave/n` late) is stale and ignored; one for the
 next wave, seen before the current one ended here, is kept until it has.
@@ -87,6 +89,7 @@ class WaveSync:
         size: the number of cores.
         port: the frontend's store.
         timeout_s: how long a consensus step may wait for the other cores.
+        sync_interval: steps of a wave from one consensus step to the next (>= 1).
         on_wake: called from a watcher thread with (epoch, number) of each wave that starts
             (the core queues it for its busy loop, which calls `note_wake`).
         on_fault: called from a watcher thread with (epoch, reason) when a fault of this
@@ -95,8 +98,12 @@ class WaveSync:
 
     def __init__(self, rank: int, size: int, port: int, timeout_s: float,
                  on_wake: Callable[[int, int], None],
-                 on_fault: Callable[[int, str], None]) -> None:
+                 on_fault: Callable[[int, str], None], sync_interval: int = 1) -> None:
+        if sync_interval < 1:
+            raise ValueError(f"dp_sync_interval: got {sync_interval}, allowed: >= 1")
         self.rank, self.size = rank, size
+        self.sync_interval = sync_interval
+        self._step_in_wave = 0  # the same on every core: they enter and leave waves together
         self._store = connect_store(port)
         self.epoch = current_epoch(self._store)
         self._group = gloo_group(self._store, f"ringserve/cores/{self.epoch}", rank, size,
@@ -164,14 +171,20 @@ class WaveSync:
         return self.running
 
     def any_work(self, has_work: bool) -> bool:
-        """The consensus step: whether any core has work; False ends the wave here (and on
-        every core, at the same step)."""
+        """Before each step of a wave: whether to step. At a consensus step (the wave's
+        first, then every `sync_interval`), whether any core has work: False ends the wave
+        here (and on every core, at the same step); between two, True on every core."""
+        step = self._step_in_wave
+        self._step_in_wave = step + 1
+        if step % self.sync_interval:
+            return True
         flag = torch.tensor([1 if has_work else 0], dtype=torch.int64)
         self._group.allreduce([flag]).wait()
         if int(flag.item()):
             return True
         self.number += 1
         self.running = False
+        self._step_in_wave = 0
         return False
 
     def close(self) -> None:
