@@ -69,7 +69,7 @@ async def _run(llm: AsyncLLM, tag: str, pause: bool) -> tuple[list[list[int]], i
                         await trio.sleep(0.001)  # steps are running again
                     await llm.pause("keep")
                     pauses += 1
-                    await trio.sleep(0.005)  # outputs sent before the pause's answer land
+                    await trio.sleep(0.02)  # outputs sent before the pause's answer land
                     frozen = [len(tokens.get(rid, [])) for rid in ids]
                     await trio.sleep(0.01)
                     assert [len(tokens.get(rid, [])) for rid in ids] == frozen
