@@ -67,6 +67,7 @@ class _RsModel(ctypes.Structure):
         ("max_position", _i64), ("num_slots", _i64), ("block_size", _i64), ("vocab", _i64),
         ("eps", ctypes.c_float), ("scale", ctypes.c_float),
         ("cos_sin", _ptr), ("embedding", _ptr), ("final_norm", _ptr), ("layers", _ptr),
+        ("embedding_panels", _i64),
     ]
 
 
@@ -135,15 +136,18 @@ class DecodeCapture:
             )
         self._layers = layers
         cos_sin = stack.rotary.cos_sin
+        embed = stack.embed_tokens
+        # A tied LM head's panels hold the rows (`VocabParallelEmbedding.read_from_panels`).
+        table = embed.weight if embed.panel_rows is None else embed.panel_rows.data
         self._model = _RsModel(
             len(kv_caches), spec.hidden_size, attn.num_heads, attn.num_kv_heads, attn.head_dim,
             max(spec.intermediate_size, getattr(spec, "shared_expert_intermediate_size", 0)),
             stack.rotary.rotary_dim, cos_sin.shape[1], self._num_slots,
-            block_size, stack.embed_tokens.weight.shape[0], first.input_layernorm.eps,
-            attn.scale, cos_sin.data_ptr(), stack.embed_tokens.weight.data_ptr(),
-            _data(stack.norm), ctypes.addressof(layers),
+            block_size, embed.vocab_end - embed.vocab_start, first.input_layernorm.eps,
+            attn.scale, cos_sin.data_ptr(), table.data_ptr(),
+            _data(stack.norm), ctypes.addressof(layers), int(embed.panel_rows is not None),
         )
-        self._keep.extend([cos_sin, stack.embed_tokens.weight])
+        self._keep.extend([cos_sin, table])
         self.sizes = sizes
         self.max_batch = sizes[-1] if max_batch is None else min(sizes[-1], max_batch)
         floats = library.rs_step_work_floats(ctypes.byref(self._model), self.max_batch)

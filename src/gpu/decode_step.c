@@ -67,9 +67,10 @@ typedef struct {
     int64_t rotary_dim, max_position, num_slots, block_size, vocab;
     float eps, scale;
     const float *cos_sin;    /* [2, max_position, rotary_dim] */
-    const float *embedding;  /* [vocab, hidden] */
+    const float *embedding;  /* [vocab, hidden], or a tied LM head's [P, hidden, 16] panels */
     const float *final_norm; /* [hidden] */
     const rs_layer *layers;
+    int64_t embedding_panels; /* nonzero: `embedding` is panels (row r: column r % 16 of panel r / 16) */
 } rs_model;
 
 typedef struct {
@@ -363,8 +364,14 @@ int rs_decode_step(const rs_model *m, const rs_step *s)
         float *mine = scores + per_thread * omp_get_thread_num();
 #pragma omp for schedule(static)
         for (int64_t i = 0; i < n; i++) {
-            memcpy(residual + i * hid, m->embedding + s->token_ids[i] * hid,
-                   sizeof(float) * (size_t)hid);
+            const int64_t t = s->token_ids[i];
+            if (m->embedding_panels) {
+                const float *p = m->embedding + (t / 16) * hid * 16 + t % 16;
+                for (int64_t j = 0; j < hid; j++)
+                    residual[i * hid + j] = p[j * 16];
+            } else {
+                memcpy(residual + i * hid, m->embedding + t * hid, sizeof(float) * (size_t)hid);
+            }
             rmsnorm(residual + i * hid, m->layers[0].input_norm, normed + i * hid, hid, m->eps);
         }
         for (int64_t l = 0; l < m->num_layers; l++) {

@@ -5,9 +5,9 @@ or a staging copy whose weights are repacked into the serving model.
 
 - **Standby** (float32 panels on CPU, or plain weights): a second model, built and processed
   like the serving one. A round's tensors go through the model's own `load_weights` straight
-  into its serving layout (`ColumnParallelLinear.load` packs into the panels, a tied LM head
-  repacks from the embedding's new rows), so each byte is read once from the transport and
-  written once. `finish` swaps it in between two steps (`ModelRunner.swap_model`, which
+  into its serving layout (`ColumnParallelLinear.load` packs into the panels, a tied
+  embedding into its LM head's panels, where its lookups read it), so each byte is read once
+  from the transport and written once. `finish` swaps it in between two steps (`ModelRunner.swap_model`, which
   captures the decode step again over it) and the replaced model becomes the standby of the
   next round: two sets of weights, used alternately. The serving model is never written.
 - **Staging** (quantized panels, oneDNN copies, packed experts: layouts derived from a plain

@@ -49,23 +49,54 @@ class VocabParallelEmbedding(nn.Module):
         # Called after each `load` once the weights are processed: a tied LM head repacks its
         # panels from the new rows (a weight update loading a processed model).
         self.on_load: Callable[[], None] | None = None
+        # A tied LM head's float32 panels, which hold these rows: lookups read them there and
+        # the embedding keeps no rows of its own (`read_from_panels`).
+        self.panel_rows: PanelWeight | None = None
 
     def load(self, name: str, loaded: torch.Tensor, shard_id: int = 0) -> None:
-        """Copy this rank's vocabulary rows from the full checkpoint matrix."""
+        """Copy this rank's vocabulary rows from the full checkpoint matrix (reading from a
+        tied head's panels: into the panels)."""
         del name, shard_id
         check_shape(loaded, (self.num_embeddings, self.embedding_dim))
         rows = self.vocab_end - self.vocab_start
-        self.weight.data[:rows].copy_(loaded.narrow(0, self.vocab_start, rows))
+        source = loaded.narrow(0, self.vocab_start, rows)
+        panels = self.panel_rows
+        if panels is not None:
+            library = panel_native.load_library()
+            if library is None:  # panels are only made once the library has loaded
+                raise RuntimeError("float32 panels without the CPU matmul library")
+            panel_native.pack_rows(library, source, panels.data, 0)
+            return
+        self.weight.data[:rows].copy_(source)
         if self.on_load is not None:
             self.on_load()
+
+    def read_from_panels(self, panels: PanelWeight) -> nn.Parameter:
+        """Serve the lookups from a tied LM head's float32 panels, which hold exactly these
+        rows, and drop the rows: the matrix is in memory once, and a weight update writes it
+        once. Returns the (empty) parameter that replaces the rows, for the head to share."""
+        self.panel_rows = panels
+        self.on_load = None
+        empty = nn.Parameter(torch.empty(0, self.embedding_dim, dtype=self.weight.dtype,
+                                         device=self.weight.device), requires_grad=False)
+        self.weight = empty
+        return empty
+
+    def _lookup(self, ids: torch.Tensor) -> torch.Tensor:
+        panels = self.panel_rows
+        if panels is None:
+            return F.embedding(ids, self.weight)
+        # Row r of the matrix is column r % 16 of panel r // 16 ([P, hidden, 16]).
+        return panels.data[ids // panel_native.PANEL, :, ids % panel_native.PANEL]
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Embeddings of `input_ids` [T] -> [T, hidden]."""
         if self.tp.world_size == 1:
-            return F.embedding(input_ids, self.weight)
+            return self._lookup(input_ids)
         inside = (input_ids >= self.vocab_start) & (input_ids < self.vocab_end)
         local = torch.where(inside, input_ids - self.vocab_start, 0)
-        out = F.embedding(local, self.weight) * inside.unsqueeze(-1).to(self.weight.dtype)
+        out = self._lookup(local)
+        out = out * inside.unsqueeze(-1).to(out.dtype)
         return self.tp.all_reduce(out)
 
 
@@ -77,7 +108,8 @@ class ParallelLMHead(VocabParallelEmbedding):
     oneDNN-packed copy (`ringserve.gpu.linear.repack`): it is the largest product of a
     decode step. With `quantization` it is quantized as the linear layers are (int8 / int4
     panels, `ringserve.gpu.quant`), as llama.cpp quantizes its output matrix; a tied
-    embedding keeps its float rows for the lookups.
+    embedding then keeps its float rows for the lookups (with float32 panels it reads them
+    from the panels: `tie_panels`).
     """
 
     packed: torch.Tensor | None = None
@@ -121,16 +153,21 @@ class ParallelLMHead(VocabParallelEmbedding):
     def loads_in_place(self) -> bool:
         """Whether `load` after processing leaves the head serving the new weight (see
         `ringserve.gpu.linear.loads_in_place`): float32 panels or a plain weight. A tied
-        head's panels are repacked by the embedding's `on_load` (`tie_panels`)."""
+        head's panels are written by the embedding's `load` (`tie_panels`)."""
         if self.panel is not None:
             return self.panel.format == "f32"
         return self.packed is None
 
     def tie_panels(self, embedding: VocabParallelEmbedding) -> None:
-        """Keep the float32 panels of a head tied to `embedding` in step with its rows when
-        it is loaded again (after processing)."""
+        """A head tied to `embedding`, with float32 panels: the embedding reads its rows
+        from the panels and both drop the plain rows (`read_from_panels`; a float32
+        embedding on the CPU), or else the panels are repacked from the rows each time the
+        embedding is loaded again (after processing)."""
         panel = self.panel
         if panel is None or panel.format != "f32":
+            return
+        if embedding.weight.dtype == torch.float32 and embedding.weight.device.type == "cpu":
+            self.weight = embedding.read_from_panels(panel)  # still one shared parameter
             return
 
         def repack() -> None:

@@ -72,7 +72,8 @@ def _check_matches(llm: LLM, model: Any, version: str | None) -> None:
 @pytest.mark.slow
 @pytest.mark.parametrize(("backend", "tp", "family"),
                          [("shm", 1, "llama"), ("gloo", 1, "llama"), ("shm", 2, "qwen2"),
-                          ("shm-shared", 1, "llama"), ("shm-shared", 2, "qwen2")])
+                          ("shm-shared", 1, "llama"), ("shm-shared", 2, "qwen2"),
+                          ("shm-shared", 1, "qwen2")])
 def test_training_loop_pushes_weights(backend: str, tp: int, family: str,
                                       request: pytest.FixtureRequest) -> None:
     """"shm-shared": the trainer's parameters live in shared memory (`SharedWeights`), and
