@@ -3,7 +3,8 @@
 The CLI (`ringserve serve`, `generate`, `bench`) and `LLM(...)` both build an `EngineArgs`, and
 `create_engine_config()` turns it, once, into the frozen `EngineConfig` every layer receives.
 Every check on a user's value raises `ValueError` naming the field, the value and what is
-allowed, so the CLI can print one line instead of a traceback.
+allowed, so the CLI can print one line instead of a traceback. The flags themselves (names,
+help, types) are listed in `ringserve.engine.engine_flags`.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from ringserve.config import (
     SchedulingPolicy,
     StructuredOutputsConfig,
 )
+from ringserve.engine.engine_flags import FLAG_SPECS
 from ringserve.engine.flag_values import (
     flag_type,
     human_readable_int,
@@ -117,8 +119,8 @@ class EngineArgs:
         if positional_model:
             parser.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
                                 help=f"model directory (default: {DEMO_MODEL})")
-        for spec in _FLAG_SPECS:
-            spec.add_to(group)
+        for spec in FLAG_SPECS:
+            spec.add_to(group, _DEFAULTS[spec.field])
         # vLLM's spellings of the same settings (their defaults come from the flags above).
         group.add_argument("--kv-cache-memory-bytes", dest="kv_cache_memory",
                            type=flag_type(human_readable_int), default=argparse.SUPPRESS,
@@ -392,110 +394,4 @@ def _resolve_device(device: str) -> Any:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-@dataclass(frozen=True)
-class _FlagSpec:
-    field: str
-    help: str
-    type: Any = None
-    choices: tuple[str, ...] | None = None
-    boolean: bool = False
-    aliases: tuple[str, ...] = ()  # vLLM's short forms (-tp, -dp)
-    nargs: str | None = None
-
-    def add_to(self, group: Any) -> None:
-        flags = ["--" + self.field.replace("_", "-"), *self.aliases]
-        default = _DEFAULTS[self.field]
-        if self.boolean:
-            group.add_argument(*flags, dest=self.field, action=argparse.BooleanOptionalAction,
-                               default=default, help=self.help)
-            return
-        group.add_argument(*flags, dest=self.field, type=self.type, choices=self.choices,
-                           nargs=self.nargs, default=default,
-                           help=f"{self.help} (default: {default})")
-
-
 _DEFAULTS: dict[str, Any] = {f.name: f.default for f in dataclasses.fields(EngineArgs)}
-
-_FLAG_SPECS: tuple[_FlagSpec, ...] = (
-    _FlagSpec("model", "model directory, or ringserve-demo", str),
-    _FlagSpec("tokenizer", "tokenizer directory (default: the model's)", str),
-    _FlagSpec("served_model_name", "names clients may use for the model; the first is the one "
-              "metrics use (default: MODEL as given)", str, nargs="+"),
-    _FlagSpec("dtype", "weight and activation dtype", str,
-              ("auto", "float32", "float", "bfloat16", "float16", "half")),
-    _FlagSpec("seed", "random seed", int),
-    _FlagSpec("max_model_len", "longest prompt + output in tokens: 4096, 32k (= 32000), 32K "
-              "(= 32768), or auto / -1 (from config.json, the default)",
-              flag_type(human_readable_int_or_auto)),
-    _FlagSpec("block_size", "tokens per KV cache block", int),
-    _FlagSpec("enable_prefix_caching", "reuse KV blocks of common prefixes", boolean=True),
-    _FlagSpec("max_num_seqs", "most requests running at once", int),
-    _FlagSpec("max_num_batched_tokens", "token budget of one step (e.g. 8192, 8k)",
-              flag_type(human_readable_int)),
-    _FlagSpec("enable_chunked_prefill", "split long prompts over steps", boolean=True),
-    _FlagSpec("long_prefill_token_threshold", "cap of one prompt chunk (0: off)", int),
-    _FlagSpec("tensor_parallel_size", "tensor parallel ranks", int, aliases=("-tp",)),
-    _FlagSpec("data_parallel_size", "engine cores (data parallel ranks)", int, aliases=("-dp",)),
-    _FlagSpec("enable_expert_parallel", "partition the experts of MoE models over the "
-              "TP x DP workers (tokens go to their expert's rank and back by all-to-all; "
-              "with DP > 1 the engine cores step in lockstep) instead of slicing every "
-              "expert over the TP ranks", boolean=True, aliases=("-ep",)),
-    _FlagSpec("dp_sync_interval", "lockstep data parallelism (expert-parallel MoE): "
-              "the cores' consensus step (does any core have work?) every this many "
-              "steps of a wave, and at its first", int),
-    _FlagSpec("distributed_executor_backend", "executor", str, ("uni", "mp", "ray")),
-    _FlagSpec("gpu_memory_utilization", "fraction of GPU memory to use", float),
-    _FlagSpec("kv_cache_memory", "KV cache size in bytes (e.g. 1G, 512MiB)", parse_bytes),
-    _FlagSpec("num_gpu_blocks_override", "exact number of KV blocks", int),
-    _FlagSpec("async_scheduling", "schedule the next step while one runs", boolean=True),
-    _FlagSpec("scheduling_policy", "scheduling policy", str, ("fcfs", "priority")),
-    _FlagSpec("max_logprobs", "cap on logprobs per position (-1: vocab)", int),
-    _FlagSpec("device", "device to run on", str, ("auto", "cpu", "cuda")),
-    _FlagSpec("disable_log_stats", "turn off the periodic stats log line", boolean=True),
-    _FlagSpec("log_stats_interval", "seconds between stats log lines", float),
-    _FlagSpec("enable_log_requests", "log each request", boolean=True),
-    _FlagSpec("enable_mfu_metrics", "export analytic FLOPs per GPU "
-              "(ringserve:estimated_flops_per_gpu_total) and log TF/s",
-              boolean=True),
-    _FlagSpec("enable_expert_load_metrics", "export the tokens routed to each expert of each "
-              "MoE layer (ringserve:moe_expert_load_tokens_total) and log the imbalance",
-              boolean=True),
-    _FlagSpec("enable_fault_tolerance", "on an engine fault (a worker dies, a step raises or "
-              "times out) fail every request, report unhealthy and wait for a retry/abort "
-              "instruction (off: fail fast and stop the engine)", boolean=True),
-    _FlagSpec("engine_recovery_timeout_sec", "seconds to wait for a retry/abort instruction "
-              "after a fault before the engine stops", float),
-    _FlagSpec("execute_model_timeout_s", "a step not done within this many seconds is a fault "
-              "(a hung worker)", float),
-    _FlagSpec("fault_tolerance_auto_retry", "retry this many times by itself after a fault "
-              "(with backoff) before waiting for an operator", int),
-    _FlagSpec("max_num_queued_reqs", "admission limit on requests (503 beyond)", int),
-    _FlagSpec("max_num_queued_tokens", "admission limit on prompt tokens in prefill", int),
-    _FlagSpec("structured_outputs_config", "constrained decoding, as JSON: "
-              f"{{\"backend\": one of {', '.join(STRUCTURED_OUTPUT_BACKENDS)}}}", str),
-    _FlagSpec("reasoning_parser", "split <think>...</think> into the reasoning field; "
-              "constraints apply after it", str, REASONING_PARSERS),
-    _FlagSpec("load_format", "weights format: auto (safetensors, or gguf for a .gguf file), "
-              "safetensors, gguf, or dummy (random weights of the right shapes)", str,
-              ("auto", "safetensors", "gguf", "dummy")),
-    _FlagSpec("revision", "the model's branch, tag or commit (a hub model id)", str),
-    _FlagSpec("download_dir", "where hub models are looked up and downloaded (default: the "
-              "Hugging Face cache)", str),
-    _FlagSpec("generation_config", "request defaults: auto (the model's "
-              "generation_config.json), vllm (none), or a directory holding one", str),
-    _FlagSpec("quantization", "weight-only quantization of the linear layers and the LM head "
-              "at load, on CPU: int8 (per output channel) or int4 (groups of 32); the "
-              "embedding stays float", flag_type(quantization_method), aliases=("-q",)),
-    _FlagSpec("enforce_eager", "run every step module by module: no captured decode step "
-              "(ringserve.gpu.decode_capture)", boolean=True),
-    _FlagSpec("cuda_graph_sizes", "the decode batch sizes that get a captured step (on CPU "
-              "the fused C step, which runs any batch up to the largest; default 1 2 4 8 16 "
-              "... 512)", int, nargs="+"),
-    _FlagSpec("weight_transfer_config", "receive weights from an RL trainer, as JSON: "
-              '{"backend": "shm" (same host), "gloo" (CPU, any host) or "nccl"} '
-              "(ringserve.weight_transfer)", str),
-    _FlagSpec("weight_transfer_timeout_s", "a weight-update phase that waits longer than this "
-              "for the trainer fails (the old weights keep serving)", float),
-    _FlagSpec("override_generation_config", "JSON object over the generation config, e.g. "
-              "'{\"temperature\": 0.5}'", str),
-)

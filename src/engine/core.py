@@ -339,33 +339,6 @@ class EngineCore(WeightSyncMixin, PauseSleepMixin):
             return self.scheduler.take_pending_outputs()
         return self.scheduler.update_from_output(scheduler_output, model_output)
 
-    # -- pauses from the input thread (`ringserve.gpu.executor.step_hold`) ---------------------
-
-    def hold_for_pause(self) -> None:
-        """A pause (keep or abort) has arrived and waits in the input queue: from now on
-        schedule nothing, and have the workers skip the steps they have not started.
-        Called from the core process's input thread; a no-op where steps cannot be skipped."""
-        with self._hold_lock:
-            if not self._hold and self.executor.hold_steps(True):
-                self._hold = True
-
-    def settle_hold(self) -> dict[int, EngineCoreOutputs]:
-        """Before the pause that raised the hold is applied: wait for the steps in flight
-        (run or skipped) and book them, then let the workers run steps again. Returns the
-        outputs of the steps that ran (empty when no hold was up)."""
-        if not self._hold:
-            return {}
-        try:
-            return self.drain()
-        finally:
-            self._release_hold()
-
-    def _release_hold(self) -> None:
-        with self._hold_lock:
-            if self._hold:
-                self._hold = False
-                self.executor.hold_steps(False)
-
     def _result(self, future: Future[ModelRunnerOutput]) -> ModelRunnerOutput:
         """A step's output; waiting longer than `execute_model_timeout_s` is a fault.
 

@@ -99,8 +99,6 @@ class WaveSync:
     def __init__(self, rank: int, size: int, port: int, timeout_s: float,
                  on_wake: Callable[[int, int], None],
                  on_fault: Callable[[int, str], None], sync_interval: int = 1) -> None:
-        if sync_interval < 1:
-            raise ValueError(f"dp_sync_interval: got {sync_interval}, allowed: >= 1")
         self.rank, self.size = rank, size
         self.sync_interval = sync_interval
         self._step_in_wave = 0  # the same on every core: they enter and leave waves together

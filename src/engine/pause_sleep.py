@@ -3,29 +3,41 @@
 
 While paused (`keep` holds the requests in place, `abort` ends them, `wait` lets them finish
 and admits nothing new) or asleep (level 1 frees the KV cache, level 2 the weights too), new
-requests are held and queued on `resume()` / `wake_up()`.
+requests are held and queued on `resume()` / `wake_up()`. A `keep` or `abort` pause is also
+announced early by the core process's input thread (`hold_for_pause`), so the steps the
+workers have not finished are skipped rather than waited for
+(`ringserve.gpu.executor.step_hold`); `settle_hold` books them before the pause applies.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from ringserve import envs
 from ringserve.engine.sched.scheduler import Scheduler
 from ringserve.engine.wire import EngineCoreOutputs, EngineCoreRequest, FinishReason
 
+if TYPE_CHECKING:
+    import threading
+
+    from ringserve.gpu.executor.base import Executor
+
 PauseMode = Literal["keep", "abort", "wait"]
 
 
 class PauseSleepMixin:
-    """`pause`, `resume`, `is_paused`, `sleep`, `wake_up` and `is_sleeping` for `EngineCore`."""
+    """`pause` (and its early hold), `resume`, `is_paused`, `sleep`, `wake_up` and
+    `is_sleeping` for `EngineCore`."""
 
     scheduler: Scheduler
     pause_mode: PauseMode | None
     sleep_level: int
     step_timeout: float | None
     _held: list[EngineCoreRequest]  # requests that arrived while paused / asleep
+    executor: Executor
+    _hold: bool  # a keep / abort pause is on its way from the input thread
+    _hold_lock: threading.Lock
     # EngineCore's:
     drain: Callable[[], dict[int, EngineCoreOutputs]]
     _add_to_scheduler: Callable[[EngineCoreRequest], None]
@@ -45,6 +57,31 @@ class PauseSleepMixin:
             for request in held:
                 self.scheduler.reject_request(request, None)
         self.pause_mode = mode  # type: ignore[assignment]
+
+    def hold_for_pause(self) -> None:
+        """A pause (keep or abort) has arrived and waits in the input queue: from now on
+        schedule nothing, and have the workers skip the steps they have not started.
+        Called from the core process's input thread; a no-op where steps cannot be skipped."""
+        with self._hold_lock:
+            if not self._hold and self.executor.hold_steps(True):
+                self._hold = True
+
+    def settle_hold(self) -> dict[int, EngineCoreOutputs]:
+        """Before the pause that raised the hold is applied: wait for the steps in flight
+        (run or skipped) and book them, then let the workers run steps again. Returns the
+        outputs of the steps that ran (empty when no hold was up)."""
+        if not self._hold:
+            return {}
+        try:
+            return self.drain()
+        finally:
+            self._release_hold()
+
+    def _release_hold(self) -> None:
+        with self._hold_lock:
+            if self._hold:
+                self._hold = False
+                self.executor.hold_steps(False)
 
     def resume(self) -> None:
         """Undo `pause`; requests that arrived meanwhile are queued now (unless asleep)."""

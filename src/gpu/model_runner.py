@@ -98,7 +98,8 @@ class ModelRunner:
         # captured decode step between layers: raised, the step ends there and is answered
         # as skipped. 0: steps always run to the end.
         self.abort_flag = 0
-        # Constrained steps ended that way: the bitmask still coming for one is dropped.
+        # Constrained steps skipped or ended that way: the bitmask still coming for one is
+        # dropped (`sample_tokens`).
         self._dropped_grammar: set[int] = set()
         # Per MoE layer, tokens routed to each expert (`enable_expert_load`); None: not counted.
         self._expert_load: list[torch.Tensor] | None = None
@@ -265,8 +266,6 @@ class ModelRunner:
             try:
                 hidden = self.capture.run(inputs, self.abort_flag)
             except StepAborted:  # a pause came mid-step: taken back like a skipped step
-                if scheduler_output.grammar_req_ids:
-                    self._dropped_grammar.add(scheduler_output.step_id)
                 return self._skipped(scheduler_output)
         else:
             hidden = self.model.forward(inputs.input_ids, inputs.positions, self.kv_caches,
@@ -295,7 +294,10 @@ class ModelRunner:
         return self._skipped(scheduler_output)
 
     def _skipped(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        """The output of a step whose bookkeeping was applied and that samples nothing."""
+        """The output of a step whose bookkeeping was applied and that samples nothing (the
+        grammar bitmask that may follow it is dropped)."""
+        if scheduler_output.grammar_req_ids:
+            self._dropped_grammar.add(scheduler_output.step_id)
         table = self.table
         sampling: list[str] = []
         for req_id, n in scheduler_output.num_scheduled_tokens.items():
@@ -315,7 +317,7 @@ class ModelRunner:
     def sample_tokens(self, grammar: GrammarOutput) -> ModelRunnerOutput | None:
         """Sample the step whose forward `execute_model` ran, its constrained rows masked
         by `grammar` (the core's bitmask for the step). None (nothing to send) for the
-        bitmask of a step that was ended early and answered as skipped.
+        bitmask of a step that was skipped or ended early.
 
         Raises:
             ValueError: no step waits for a grammar, or it is another step's.

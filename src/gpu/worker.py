@@ -242,8 +242,8 @@ class Worker:
             self._runner.abort_flag = address
 
     def sample_tokens(self, grammar: GrammarOutput) -> ModelRunnerOutput | None:
-        """Sample the step waiting for its grammar bitmask (None: that step was ended
-        early, `ModelRunner.sample_tokens`)."""
+        """Sample the step waiting for its grammar bitmask (None: that step was skipped
+        or ended early, `ModelRunner.sample_tokens`)."""
         return self.runner.sample_tokens(grammar)
 
     @property

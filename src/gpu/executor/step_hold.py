@@ -95,8 +95,6 @@ class HoldFlag:
         self._mapping = self._segment.mapping
         # A view of the byte, for its address (released before the unmap).
         self._byte: ctypes.c_ubyte | None = ctypes.c_ubyte.from_buffer(self._mapping)
-        # Steps skipped whose grammar bitmask may still come: it is dropped.
-        self.skipped_grammar_steps: set[int] = set()
 
     @property
     def address(self) -> int:

@@ -75,7 +75,7 @@ class UniProcExecutor(Executor):
             if skipped is not None:
                 return skipped  # type: ignore[no-any-return]  # the step was skipped
             output = self.worker.sample_tokens(grammar)
-            assert output is not None  # only the bitmask of a step ended early gives None
+            assert output is not None  # only the bitmask of a skipped step gives None
             return output
 
         _chain(self._thread.submit(sample), result)

@@ -3,9 +3,9 @@
 Started by `multiproc.MultiprocExecutor` (never by hand). Start-up, in this order so a broken
 start is reported quickly: tie itself to the parent (`install_lifeline`: title
 `ringserve::Worker_TP<rank>`, PR_SET_PDEATHSIG, lifeline pipe), read its `WorkerSpec` (msgpack)
-from stdin, attach the step-hold flag (when the spec names one), the broadcast ring as reader `rank` and
-its own response ring as writer
-(before torch is imported, so the executor's attach wait is short), build the `Worker`, then
+from stdin, attach the step-hold flag (when the spec names one), the broadcast ring as reader
+`rank` and its own response ring as writer (before torch is imported, so the executor's attach
+wait is short), build the `Worker`, then
 serve the broadcast ring until a shutdown frame or the executor's death:
 
 * `STEP`: run `Worker.execute_model`; rank 0 sends the `ModelRunnerOutput` back (body and
@@ -13,9 +13,9 @@ serve the broadcast ring until a shutdown frame or the executor's death:
   that raised, and the loop goes on (the executor treats it as an engine fault);
 * `RPC`: call the named public method of the `Worker`; every rank replies (value or error);
 * a `STEP` read while the core's step-hold flag is up (a pause came: `step_hold.py`) is not
-  run: `Worker.skip_step` applies its bookkeeping and the reply is marked `skipped`; the
-  grammar bitmask that may follow such a step is dropped (a captured decode step running when
-  the flag goes up ends between two layers and is answered the same way);
+  run: `Worker.skip_step` applies its bookkeeping and the reply is marked `skipped` (a
+  captured decode step running when the flag goes up ends between two layers and is answered
+  the same way); the grammar bitmask that may follow such a step answers nothing;
 * `SHUTDOWN`: close both rings and exit 0.
 
 Every frame is decoded and released before the work starts, so the executor can queue the
@@ -45,7 +45,7 @@ from ringserve.gpu.executor.wire import (
     write_message,
 )
 from ringserve.gpu.executor.worker_calls import reply_to, step_reply
-from ringserve.gpu.wire import GrammarOutput, SchedulerOutput
+from ringserve.gpu.wire import SchedulerOutput
 from ringserve.lifeline import install_lifeline
 from ringserve.serial import MsgpackEncoder
 from ringserve.shm import CorruptFrameError, PeerDiedError, RingClosedError, RingReader, RingWriter
@@ -104,27 +104,12 @@ class WorkerLoop:
                 # Released before the work starts, so the executor can queue the next step.
                 sched.release()
             hold = self.hold
-            if hold is not None and isinstance(message, SchedulerOutput | GrammarOutput):
-                reply = self._held_step(hold, message)
+            if hold is not None and hold.is_up() and isinstance(message, SchedulerOutput):
+                reply = step_reply(self.worker, self.rank, message, self._encoder, skip=True)
             else:
                 reply = reply_to(self.worker, self.rank, message, self._encoder)
             if reply is not None:
                 write_message(self.out, *reply)
-
-
-    def _held_step(self, hold: HoldFlag, message: SchedulerOutput | GrammarOutput
-                   ) -> tuple[FrameKind, list[Any]] | None:
-        """A step or bitmask where the step-hold flag exists: a step read while the flag
-        is up is skipped (its grammar bitmask, when it comes, dropped); the rest run."""
-        if isinstance(message, GrammarOutput):
-            if message.step_id in hold.skipped_grammar_steps:
-                hold.skipped_grammar_steps.discard(message.step_id)
-                return None
-        elif hold.is_up():
-            if message.grammar_req_ids:
-                hold.skipped_grammar_steps.add(message.step_id)
-            return step_reply(self.worker, self.rank, message, self._encoder, skip=True)
-        return step_reply(self.worker, self.rank, message, self._encoder)
 
 
 def _limit_cpu_threads(spec: WorkerSpec) -> None:
