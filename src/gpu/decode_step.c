@@ -70,7 +70,8 @@ typedef struct {
     const float *embedding;  /* [vocab, hidden], or a tied LM head's [P, hidden, 16] panels */
     const float *final_norm; /* [hidden] */
     const rs_layer *layers;
-    int64_t embedding_panels; /* nonzero: `embedding` is panels (row r: column r % 16 of panel r / 16) */
+    int64_t embedding_panels; /* nonzero: `embedding` is panels (row r: column r % RS_PANEL of
+                               * panel r / RS_PANEL) */
 } rs_model;
 
 typedef struct {
@@ -366,9 +367,9 @@ int rs_decode_step(const rs_model *m, const rs_step *s)
         for (int64_t i = 0; i < n; i++) {
             const int64_t t = s->token_ids[i];
             if (m->embedding_panels) {
-                const float *p = m->embedding + (t / 16) * hid * 16 + t % 16;
+                const float *p = m->embedding + (t / RS_PANEL) * hid * RS_PANEL + t % RS_PANEL;
                 for (int64_t j = 0; j < hid; j++)
-                    residual[i * hid + j] = p[j * 16];
+                    residual[i * hid + j] = p[j * RS_PANEL];
             } else {
                 memcpy(residual + i * hid, m->embedding + t * hid, sizeof(float) * (size_t)hid);
             }

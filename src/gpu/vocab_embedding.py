@@ -57,19 +57,24 @@ class VocabParallelEmbedding(nn.Module):
         """Copy this rank's vocabulary rows from the full checkpoint matrix (reading from a
         tied head's panels: into the panels)."""
         del name, shard_id
+        if self.panel_rows is not None:
+            self._load_into_panels(self.panel_rows, loaded)
+            return
         check_shape(loaded, (self.num_embeddings, self.embedding_dim))
         rows = self.vocab_end - self.vocab_start
-        source = loaded.narrow(0, self.vocab_start, rows)
-        panels = self.panel_rows
-        if panels is not None:
-            library = panel_native.load_library()
-            if library is None:  # panels are only made once the library has loaded
-                raise RuntimeError("float32 panels without the CPU matmul library")
-            panel_native.pack_rows(library, source, panels.data, 0)
-            return
-        self.weight.data[:rows].copy_(source)
+        self.weight.data[:rows].copy_(loaded.narrow(0, self.vocab_start, rows))
         if self.on_load is not None:
             self.on_load()
+
+    def _load_into_panels(self, panels: PanelWeight, loaded: torch.Tensor) -> None:
+        """This rank's vocabulary rows of the full matrix, packed straight into float32
+        panels (a weight update: no plain copy is kept)."""
+        library = panel_native.load_library()
+        if library is None:  # panels are only made once the library has loaded
+            raise RuntimeError("float32 panels without the CPU matmul library")
+        check_shape(loaded, (self.num_embeddings, self.embedding_dim))
+        rows = self.vocab_end - self.vocab_start
+        panel_native.pack_rows(library, loaded.narrow(0, self.vocab_start, rows), panels.data, 0)
 
     def read_from_panels(self, panels: PanelWeight) -> nn.Parameter:
         """Serve the lookups from a tied LM head's float32 panels, which hold exactly these
@@ -143,12 +148,7 @@ class ParallelLMHead(VocabParallelEmbedding):
         if panel is None or panel.format != "f32" or self.weight.numel():
             super().load(name, loaded, shard_id)
             return
-        library = panel_native.load_library()
-        if library is None:  # panels are only made once the library has loaded
-            raise RuntimeError("float32 panels without the CPU matmul library")
-        check_shape(loaded, (self.num_embeddings, self.embedding_dim))
-        rows = self.vocab_end - self.vocab_start
-        panel_native.pack_rows(library, loaded.narrow(0, self.vocab_start, rows), panel.data, 0)
+        self._load_into_panels(panel, loaded)
 
     def loads_in_place(self) -> bool:
         """Whether `load` after processing leaves the head serving the new weight (see
