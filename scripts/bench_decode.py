@@ -267,7 +267,7 @@ def ringserve_weight_bytes(quant: str, batch: int) -> int:
     embedding rows."""
     import torch
 
-    from ringserve.gpu.quant import nbytes, quantize
+    from ringserve.gpu.layers.quant import nbytes, quantize
 
     s = SMOL_135M
     h, d, inter = s["hidden_size"], s["head_dim"], s["intermediate_size"]

@@ -3,7 +3,7 @@
 
 import sys
 
-from ringserve.engine.bench_frontend import main
+from ringserve.bench.frontend import main
 
 if __name__ == "__main__":
     sys.exit(main(sys.argv[1:]))

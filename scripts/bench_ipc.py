@@ -3,7 +3,7 @@
 
 import sys
 
-from ringserve.shm.bench import main
+from ringserve.bench.ipc import main
 
 if __name__ == "__main__":
     sys.exit(main(sys.argv[1:]))

@@ -125,8 +125,8 @@ def child(kind: str, path: str) -> None:
     if kind != "transformers":
         from ringserve.config import ModelConfig
         from ringserve.gpu.attention.backend import TorchAttentionBackend
-        from ringserve.gpu.loader import load_model
-        from ringserve.gpu.parallel import TPGroup
+        from ringserve.gpu.layers.parallel import TPGroup
+        from ringserve.gpu.weights.loader import load_model
     base = _rss_bytes()
     t0 = time.perf_counter()
     if kind == "transformers":

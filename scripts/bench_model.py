@@ -54,8 +54,8 @@ def main() -> None:
     from transformers import AutoModelForCausalLM
 
     from ringserve.engine.arg_utils import EngineArgs
-    from ringserve.gpu.input_prep import prepare_inputs
-    from ringserve.gpu.model_runner import ModelRunner
+    from ringserve.gpu.runner.input_prep import prepare_inputs
+    from ringserve.gpu.runner.model_runner import ModelRunner
     from ringserve.gpu.testing import demo_model_path
     from ringserve.gpu.wire import NewRequestData
     from ringserve.sampling_params import SamplingParams

@@ -29,14 +29,14 @@ the dense benchmark model's 512; 4 heads, 2 KV heads, vocab 8000, float32) on a 
 32 prompts of uniform 64..128 random tokens (seed 0), 128 output tokens each, greedy, EOS
 ignored, so every engine must generate exactly 4,096 tokens. ringserve `LLM.generate` against
 transformers `generate` on one left-padded batch, with `ringserve bench throughput`'s runners
-and token-count check (`ringserve.engine.bench_throughput`): `--runs` rounds, each engine
+and token-count check (`ringserve.bench.throughput`): `--runs` rounds, each engine
 loaded, warmed up, timed and closed alone; tok/s median and range, the ratio taken per round.
 Target (the issue): >= 2x transformers. `--workloads fixed,dense` adds `ringserve bench
 throughput`'s workload (outputs of 16..256 tokens; the padded batch is credited only the tokens
 asked for),
 the one the dense models' 2x was measured on; `--offline-models moe,dense` adds that benchmark's
 dense tiny Llama (hidden 256, 4 layers, intermediate 512) as a control, through the captured
-decode step that MoE models do not get (`ringserve.gpu.decode_capture`).
+decode step that MoE models do not get (`ringserve.gpu.runner.decode_capture`).
 
 Prints the machine, versions, the command, markdown tables and a JSON line.
 
@@ -118,8 +118,8 @@ def ringserve_block(shape: LayerShape, gate: Any, w13: Any, w2: Any) -> Any:
     """The engine's `SparseMoeBlock` (TP 1) holding these weights, packed for the C kernel."""
     import torch
 
+    from ringserve.gpu.layers.parallel import TPGroup
     from ringserve.gpu.models.moe import MoeSpec, SparseMoeBlock
-    from ringserve.gpu.parallel import TPGroup
 
     spec = MoeSpec(vocab_size=1, hidden_size=shape.hidden, intermediate_size=shape.inter,
                    num_layers=1, num_heads=1, num_kv_heads=1, head_dim=shape.hidden,
@@ -281,7 +281,7 @@ def workload(name: str) -> tuple[list[list[int]], list[int]]:
     throughput`'s (outputs of uniform 16..256 tokens).
     """
     if name == "dense":
-        from ringserve.engine.bench_throughput import workload as dense_workload
+        from ringserve.bench.throughput import workload as dense_workload
 
         return dense_workload()
     rng = random.Random(0)
@@ -301,7 +301,7 @@ def hf_experts_implementation(model: str) -> str:
 def bench_eager_ab(runs: int) -> dict[str, Any]:
     """The MoE model on the fixed workload, ringserve with its captured decode step against
     `--enforce-eager` (every step eager), alternated once per round in the same run."""
-    from ringserve.engine.bench_throughput import check_counts, ringserve_runner
+    from ringserve.bench.throughput import check_counts, ringserve_runner
 
     model = moe_model_dir()
     prompts, outs = workload("fixed")
@@ -330,7 +330,7 @@ def bench_eager_ab(runs: int) -> dict[str, Any]:
 
 def bench_offline(model_name: str, workload_name: str, runs: int) -> dict[str, Any]:
     """Part 2: ringserve and transformers once per round; prints the check and the table."""
-    from ringserve.engine.bench_throughput import (
+    from ringserve.bench.throughput import (
         bench_model_dir,
         check_counts,
         hf_batched_runner,
@@ -410,7 +410,7 @@ def main() -> int:
     import torch
     from transformers.utils import logging as hf_logging
 
-    from ringserve.engine.bench_throughput import machine
+    from ringserve.bench.throughput import machine
 
     torch.set_num_threads(ns.threads)
     hf_logging.disable_progress_bar()

@@ -5,8 +5,8 @@ Times, for SmolLM-135M's linear shapes (hidden 576, intermediate 1536: the fused
 projection 576 -> 3072, down 1536 -> 576 and the fused q/k/v 576 -> 960) at each row count,
 one pass over `--weights` distinct weights of the shape (so that, as in a real decode, they
 stream from DRAM rather than the L3; each set's size is printed) in the panel layout of
-`ringserve.gpu.panel_native`: float32 (`panel_f32.c`) and int8 / int4 (`panel_quant.c`,
-quantized by `ringserve.gpu.quant`). The kernels are called through the library's `rs_linear`
+`ringserve.gpu.native.panel`: float32 (`panel_f32.c`) and int8 / int4 (`panel_quant.c`,
+quantized by `ringserve.gpu.layers.quant`). The kernels are called through the library's `rs_linear`
 with ready arguments (the fused decode step calls them from C); what
 `panel_native.linear` adds per call from Python is printed apart. The bandwidth baseline is
 torch's `.sum()` over the float32 panels of the same pass: the rate at which this machine
@@ -33,9 +33,9 @@ from pathlib import Path
 
 import torch
 
-from ringserve.gpu import panel_native
-from ringserve.gpu.panel_native import PanelWeight
-from ringserve.gpu.quant import quantize
+from ringserve.gpu.layers.quant import quantize
+from ringserve.gpu.native import panel as panel_native
+from ringserve.gpu.native.panel import PanelWeight
 
 HIDDEN, INTERMEDIATE, QKV = 576, 1536, 960
 SHAPES = {"gate_up": (2 * INTERMEDIATE, HIDDEN), "down": (HIDDEN, INTERMEDIATE),

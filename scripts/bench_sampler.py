@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Benchmark one sampling step over a large vocabulary (issue 17, item 3).
 
-Times `ringserve.gpu.sampler.Sampler.forward` on random float32 logits [B, V] (V = 49152 by
+Times `ringserve.gpu.sample.sampler.Sampler.forward` on random float32 logits [B, V] (V = 49152 by
 default, SmolLM-135M's vocabulary) with metadata built through the real request table, for
 each batch size and each case:
 
@@ -32,9 +32,9 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from ringserve.gpu.request_state import RequestTable
-from ringserve.gpu.sampler import Sampler
-from ringserve.gpu.sampling_metadata import SamplingMetadata, build_sampling_metadata
+from ringserve.gpu.runner.request_state import RequestTable
+from ringserve.gpu.sample.sampler import Sampler
+from ringserve.gpu.sample.sampling_metadata import SamplingMetadata, build_sampling_metadata
 from ringserve.gpu.wire import NewRequestData
 from ringserve.sampling_params import SamplingParams
 

@@ -3,7 +3,7 @@
 
 import sys
 
-from ringserve.http.bench_serve import main
+from ringserve.bench.serve import main
 
 if __name__ == "__main__":
     sys.exit(main(sys.argv[1:]))

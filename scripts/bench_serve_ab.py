@@ -24,7 +24,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import bench_serve_compare as bsc
-from ringserve.engine.bench_throughput import bench_model_dir
+from ringserve.bench.throughput import bench_model_dir
 
 KEYS = ("output_throughput", "median_ttft_ms", "p99_ttft_ms", "median_tpot_ms")
 

@@ -32,8 +32,8 @@ from typing import Any
 
 import httpx
 
-from ringserve.engine.bench_throughput import bench_model_dir
-from ringserve.http import bench_serve
+from ringserve.bench import serve as bench_serve
+from ringserve.bench.throughput import bench_model_dir
 
 ROOT = Path(__file__).resolve().parent.parent
 VENV_BIN = Path(sys.executable).parent

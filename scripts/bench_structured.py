@@ -213,7 +213,7 @@ def build_core(executor: str, backend: str, threads: int | None) -> Any:
     import torch
 
     from ringserve.engine.arg_utils import EngineArgs
-    from ringserve.engine.core import EngineCore
+    from ringserve.engine.core.engine_core import EngineCore
 
     if threads is not None:
         torch.set_num_threads(threads)
@@ -379,7 +379,7 @@ def bench(executors: list[str], concurrencies: list[int], runs: int = 3, max_tok
         concurrencies: requests added at once per workload (half constrained).
         runs: rounds of (free, constrained) per concurrency, after one calibration run.
     """
-    from ringserve.engine.llm_engine import load_tokenizer
+    from ringserve.tokenizer import load_tokenizer
 
     results: dict[str, Any] = {"backend": backend, "runs": runs, "max_tokens": max_tokens,
                                "max_tokens_json": max_tokens_json, "executors": {}}

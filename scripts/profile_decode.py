@@ -6,7 +6,7 @@ In process, on CPU with the default attention backend (the C decode kernel): a `
 is driven with hand-built SchedulerOutputs (no scheduler): B requests of `--prompt-len` random
 tokens are prefilled (chunked under a token budget), then decode steps are timed. Each of the
 `--runs` rounds times `--steps` steps after `--warmup` warm-up steps three times: captured (the
-step total through the captured decode step, `ringserve.gpu.decode_capture`: the fused C
+step total through the captured decode step, `ringserve.gpu.runner.decode_capture`: the fused C
 step), plain (the eager step total, `execute_model` with the capture taken off the runner,
 nothing wrapped) and instrumented (eager, with perf_counter wrappers installed by
 this script on the instances, and on the runner module's helper names, restored afterwards;
@@ -108,7 +108,7 @@ def build_runner(kw: dict[str, Any], num_blocks: int) -> Any:
     import torch
 
     from ringserve.engine.arg_utils import EngineArgs
-    from ringserve.gpu.model_runner import ModelRunner
+    from ringserve.gpu.runner.model_runner import ModelRunner
 
     config = EngineArgs(**kw).create_engine_config()
     runner = ModelRunner(config, torch.device("cpu"), attention_backend="auto")
@@ -222,8 +222,8 @@ class Decoder:
 def instrumented(runner: Any, acc: dict[str, float]) -> Iterator[None]:
     """Accumulate inclusive seconds per key in `acc` by wrapping the runner's, model's and
     backend's instance methods (and the runner module's helpers); all restored on exit."""
-    import ringserve.gpu.model_runner as mr
-    from ringserve.gpu.norm import RMSNorm
+    import ringserve.gpu.runner.model_runner as mr
+    from ringserve.gpu.layers.norm import RMSNorm
 
     clock = time.perf_counter
     patched: list[tuple[Any, str, bool, Any]] = []

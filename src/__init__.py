@@ -7,9 +7,9 @@ Importing `ringserve` imports neither torch nor transformers.
 """
 
 from ringserve.engine.arg_utils import EngineArgs
-from ringserve.engine.async_llm import AsyncLLM
-from ringserve.engine.llm import LLM
-from ringserve.engine.llm_engine import LLMEngine
+from ringserve.engine.frontend.async_llm import AsyncLLM
+from ringserve.engine.frontend.llm import LLM
+from ringserve.engine.frontend.llm_engine import LLMEngine
 from ringserve.outputs import (
     CompletionOutput,
     Logprob,

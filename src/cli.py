@@ -99,25 +99,25 @@ def _demo_model(ns: argparse.Namespace) -> int:
 
 
 def _bench_ipc(ns: argparse.Namespace) -> int:
-    from ringserve.shm import bench
+    from ringserve.bench import ipc as bench
 
     return bench.main(list(ns.passthrough))
 
 
 def _bench_throughput(ns: argparse.Namespace) -> int:
-    from ringserve.engine import bench_throughput
+    from ringserve.bench import throughput as bench_throughput
 
     return bench_throughput.main(list(ns.passthrough))
 
 
 def _bench_frontend(ns: argparse.Namespace) -> int:
-    from ringserve.engine import bench_frontend
+    from ringserve.bench import frontend as bench_frontend
 
     return bench_frontend.main(list(ns.passthrough))
 
 
 def _bench_serve(ns: argparse.Namespace) -> int:
-    from ringserve.http import bench_serve
+    from ringserve.bench import serve as bench_serve
 
     return bench_serve.main(list(ns.passthrough))
 
@@ -223,7 +223,7 @@ def exit_status(exc: BaseException) -> int:
 
     A `ModelDirectoryError` raised in an engine core (the weights loader runs there) reaches
     the frontend as an `EngineStartupError` whose message holds the core's error in the
-    wire form `Type: message` (`ringserve.engine.sentinel.describe`).
+    wire form `Type: message` (`ringserve.engine.core.faults.describe`).
     """
     from ringserve.engine.errors import EngineStartupError
 

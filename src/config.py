@@ -13,32 +13,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+# What a checkpoint may be lives a floor down, with the checkpoint readers, so that they
+# need nothing of this module; re-exported for the engine's modules that read them here.
+from ringserve.checkpoint.support import LOAD_FORMATS as LOAD_FORMATS
+from ringserve.checkpoint.support import QUANTIZATION_METHODS as QUANTIZATION_METHODS
+from ringserve.checkpoint.support import SUPPORTED_ARCHITECTURES as SUPPORTED_ARCHITECTURES
+from ringserve.checkpoint.support import DType as DType
 from ringserve.weight_transfer.config import WeightTransferConfig
 
-DType = Literal["float32", "bfloat16", "float16"]
 Device = Literal["cpu", "cuda"]
 ExecutorBackend = Literal["uni", "mp", "ray"]
 SchedulingPolicy = Literal["fcfs", "priority"]
-
-SUPPORTED_ARCHITECTURES: tuple[str, ...] = (
-    "LlamaForCausalLM",
-    "MistralForCausalLM",
-    "Qwen2ForCausalLM",
-    "Qwen3ForCausalLM",
-    "Gemma2ForCausalLM",
-    "Gemma3ForCausalLM",
-    "Gemma3ForConditionalGeneration",  # served as text only
-    "Phi3ForCausalLM",
-    "Qwen3MoeForCausalLM",
-    "Qwen2MoeForCausalLM",
-    "MixtralForCausalLM",
-)
-
-
-LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
-# Weight-only quantization of the linear layers at load (ringserve.gpu.quant); CPU only.
-QUANTIZATION_METHODS = ("int8", "int4")
-
 
 @dataclass(frozen=True, slots=True)
 class ModelConfig:
@@ -64,7 +49,7 @@ class ModelConfig:
             (`temperature`, `top_p`, `top_k`, `min_p`, `repetition_penalty`, `max_tokens`);
             a request's own values win.
         quantization: "int8" or "int4" (weight-only, quantized at load; see
-            `ringserve.gpu.quant`), or None for the float weights.
+            `ringserve.gpu.layers.quant`), or None for the float weights.
     """
 
     model: str
@@ -202,7 +187,7 @@ DEFAULT_CAPTURE_SIZES = (1, 2, 4, *range(8, 513, 8))
 
 @dataclass(frozen=True, slots=True)
 class CompilationConfig:
-    """How the decode step runs (`ringserve.gpu.decode_capture`).
+    """How the decode step runs (`ringserve.gpu.runner.decode_capture`).
 
     Attributes:
         enforce_eager: run every step eagerly (module by module); no captured decode step.

@@ -15,11 +15,11 @@ from collections.abc import Callable
 import pytest
 
 from ringserve.config import CacheConfig, ModelConfig, SchedulerConfig
-from ringserve.engine.input_processor import InputProcessor
+from ringserve.engine.frontend.input_processor import InputProcessor
 from ringserve.engine.sched.admission import RequestLimits
 from ringserve.engine.sched.scheduler import Scheduler
 from ringserve.engine.wire import EngineCoreRequest, FinishReason
-from ringserve.gpu.validation import validate_request
+from ringserve.gpu.runner.validation import validate_request
 from ringserve.http.errors import APIError
 from ringserve.http.generation import make_job
 from ringserve.http.protocol import SamplingRequest

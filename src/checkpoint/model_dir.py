@@ -15,7 +15,7 @@ from typing import Any
 from ringserve.checkpoint.generation_config import read_generation_config
 from ringserve.checkpoint.gguf_file import is_gguf, materialize
 from ringserve.checkpoint.safetensors_file import check_headers, checkpoint_files
-from ringserve.config import QUANTIZATION_METHODS, SUPPORTED_ARCHITECTURES, DType
+from ringserve.checkpoint.support import QUANTIZATION_METHODS, SUPPORTED_ARCHITECTURES, DType
 from ringserve.envs import ringserve_home
 from ringserve.errors import ModelDirectoryError
 

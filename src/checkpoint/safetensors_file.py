@@ -3,7 +3,7 @@ that streams tensors one at a time without mapping the files.
 
 `ModelConfig.from_model_dir` calls `checkpoint_files` and `check_headers` in the frontend, so a
 missing shard, a truncated file or an unsupported dtype fails with one line before any process
-starts. The worker's loader (`ringserve.gpu.loader`) streams tensors through `TensorReader`:
+starts. The worker's loader (`ringserve.gpu.weights.loader`) streams tensors through `TensorReader`:
 each tensor is read with `readinto` into a buffer of its own, not through `mmap`, because
 mapped pages count towards the process's resident memory until the file is closed (a 1 GB shard
 would sit in RSS next to the model it was copied into); read this way, peak memory is the model

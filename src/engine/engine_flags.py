@@ -115,7 +115,7 @@ FLAG_SPECS: tuple[FlagSpec, ...] = (
               "at load, on CPU: int8 (per output channel) or int4 (groups of 32); the "
               "embedding stays float", flag_type(quantization_method), aliases=("-q",)),
     FlagSpec("enforce_eager", "run every step module by module: no captured decode step "
-              "(ringserve.gpu.decode_capture)", boolean=True),
+              "(ringserve.gpu.runner.decode_capture)", boolean=True),
     FlagSpec("cuda_graph_sizes", "the decode batch sizes that get a captured step (on CPU "
               "the fused C step, which runs any batch up to the largest; default 1 2 4 8 16 "
               "... 512)", int, nargs="+"),

@@ -18,6 +18,7 @@ from ringserve.sampling_params import SamplingParams
 
 __all__ = [
     "DEAD_CALL_ID",
+    "FAULT_INSTRUCTIONS",
     "FAULT_INSTRUCTION_METHOD",
     "AbortRequests",
     "AddRequest",
@@ -207,6 +208,8 @@ class FaultStatus(msgspec.Struct, array_like=True, omit_defaults=True, gc=False)
 
 # The utility method a fault instruction travels as: args [instruction, ft_request_id].
 FAULT_INSTRUCTION_METHOD = "apply_fault_instruction"
+# The instructions an unhealthy core takes (`ringserve.engine.core.sentinel`).
+FAULT_INSTRUCTIONS = ("retry", "abort")
 
 # `UtilityOutput.call_id` of a core's dead notice (an engine fault; the core exits next).
 DEAD_CALL_ID = -1

@@ -21,11 +21,11 @@ import torch
 
 from ringserve.config import EngineConfig
 from ringserve.gpu.attention.backend import BackendName
-from ringserve.gpu.input_prep import prepare_inputs
-from ringserve.gpu.model_runner import ModelRunner
+from ringserve.gpu.layers.parallel import TPGroup, init_tp_group
 from ringserve.gpu.moe.dispatch import init_ep_group, set_ep_group
-from ringserve.gpu.parallel import TPGroup, init_tp_group
-from ringserve.gpu.weight_update import WeightUpdateError, WeightUpdater, weight_checksum
+from ringserve.gpu.runner.input_prep import prepare_inputs
+from ringserve.gpu.runner.model_runner import ModelRunner
+from ringserve.gpu.weights.update import WeightUpdateError, WeightUpdater, weight_checksum
 from ringserve.gpu.wire import GrammarOutput, ModelRunnerOutput, NewRequestData, SchedulerOutput
 from ringserve.sampling_params import SamplingParams
 
@@ -163,7 +163,7 @@ class Worker:
         """0 awake, 1 without KV cache, 2 without KV cache and weights."""
         return self._sleep_level
 
-    # -- weights from a trainer (ringserve.gpu.weight_update) --------------------------------
+    # -- weights from a trainer (ringserve.gpu.weights.update) --------------------------------
     # Each returns [error or None, value]: a refused or failed update is the caller's error,
     # not an engine fault (a raising worker method is one), and leaves the old weights serving.
 
@@ -203,7 +203,7 @@ class Worker:
         if self._updater is not None:
             self._updater.abort()
 
-    # -- read-only calls open to `collective_rpc` (ringserve.engine.weight_sync) ----------------
+    # -- read-only calls open to `collective_rpc` (ringserve.engine.core.weight_sync) ----------------
 
     def get_weight_checksum(self) -> str:
         """SHA-256 over this rank's serving weights as the kernels read them (panels,

@@ -25,7 +25,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from ringserve.engine.elastic_dp import (
+from ringserve.engine.cluster.elastic_dp import (
     DEFAULT_DRAIN_TIMEOUT_S,
     DrainTimeoutError,
     ScaleFailedError,

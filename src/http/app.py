@@ -35,7 +35,7 @@ from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 import ringserve
-from ringserve.engine.async_llm import AsyncLLM
+from ringserve.engine.frontend.async_llm import AsyncLLM
 from ringserve.engine.metrics.prometheus import prefixed_registry
 from ringserve.http.admin import ADMIN_PATHS, Admin
 from ringserve.http.auth import AuthMiddleware

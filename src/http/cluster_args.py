@@ -4,7 +4,7 @@
 `--data-parallel-size-local/-dpl`, `--data-parallel-address/-dpa`,
 `--data-parallel-rpc-port/-dpp`, `--data-parallel-start-rank/-dpr`, plus ringserve's own
 `--cluster-secret-file` and `--insecure-cluster` (links between hosts are authenticated; see
-`ringserve.engine.cluster_auth`). `check_cluster_args` runs the checks that need no model.
+`ringserve.engine.cluster.auth`). `check_cluster_args` runs the checks that need no model.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 
 from ringserve import envs
-from ringserve.engine.cluster import DEFAULT_RPC_PORT, ClusterSettings
+from ringserve.engine.cluster.fleet import DEFAULT_RPC_PORT, ClusterSettings
 
 _DEFAULTS = ClusterSettings()
 
@@ -60,7 +60,7 @@ def check_cluster_args(ns: argparse.Namespace) -> None:
     Raises:
         ValueError: a flag's value is not allowed (the message names the flag).
     """
-    from ringserve.engine.cluster_auth import is_loopback
+    from ringserve.engine.cluster.auth import is_loopback
 
     if ns.api_server_count is not None and ns.api_server_count < 1:
         raise ValueError(f"--api-server-count: got {ns.api_server_count}, allowed: >= 1")

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from starlette.requests import Request
 from starlette.responses import Response
 
-from ringserve.engine.input_processor import TokensPrompt
+from ringserve.engine.frontend.input_processor import TokensPrompt
 from ringserve.http.context import AppContext, request_id_of
 from ringserve.http.errors import bad_request
 from ringserve.http.generation import Job, check_admission, make_job, run_jobs

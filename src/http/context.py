@@ -19,7 +19,7 @@ import msgspec
 import trio
 from starlette.requests import Request
 
-from ringserve.engine.async_llm import AsyncLLM
+from ringserve.engine.frontend.async_llm import AsyncLLM
 from ringserve.http.errors import APIError, bad_request, error_from_exception
 from ringserve.http.settings import ServerState, ServeSettings
 

@@ -23,9 +23,9 @@ import msgspec
 
 from ringserve import envs
 from ringserve.config import EngineConfig
-from ringserve.engine.attached_client import Attachment
-from ringserve.engine.cluster_wire import ClusterTopology
+from ringserve.engine.cluster.wire import ClusterTopology
 from ringserve.engine.errors import EngineDeadError, EngineStartupError
+from ringserve.engine.frontend.attached_client import Attachment
 from ringserve.http.settings import ServeSettings
 from ringserve.lifeline import install_lifeline
 
@@ -51,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
     ns = parser.parse_args(argv)
     install_lifeline(ns.lifeline_fd, ns.parent_pid, f"ringserve::APIServer_{ns.client_index}")
     init = msgspec.msgpack.decode(sys.stdin.buffer.read(), type=FrontendInit)
-    from ringserve.engine.cluster_auth import ClusterAuth
+    from ringserve.engine.cluster.auth import ClusterAuth
     from ringserve.http import server
 
     auth = ClusterAuth.load(envs.cluster_secret_file())

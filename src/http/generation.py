@@ -19,8 +19,8 @@ import trio
 from starlette.types import Receive
 
 from ringserve.config import ModelConfig
-from ringserve.engine.async_llm import AsyncLLM
-from ringserve.engine.input_processor import TokensPrompt
+from ringserve.engine.frontend.async_llm import AsyncLLM
+from ringserve.engine.frontend.input_processor import TokensPrompt
 from ringserve.engine.structured.validation import check_structured_outputs
 from ringserve.http.errors import bad_request
 from ringserve.http.protocol import SamplingRequest

@@ -16,7 +16,7 @@ weight update, the weight version, the world size, a description of the server a
     GET  /server_info                                       see `RLRoutes.server_info`
     POST /collective_rpc {"method", "args", "kwargs", "timeout"}  {"results": [...]}
 
-Each calls the `AsyncLLM` method of the same name (`ringserve.engine.rl_api`), which returns
+Each calls the `AsyncLLM` method of the same name (`ringserve.engine.frontend.rl_api`), which returns
 once every engine core has done it. Parameters follow ringserve's rule, also for these
 vLLM-shaped routes: a body field or query parameter a route does not take is a 400 that names
 it, a value of the wrong type a 400 with msgspec's path. A call an engine refuses (a weight
@@ -37,7 +37,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 import ringserve
-from ringserve.engine.rl_api import check_pause_mode
+from ringserve.engine.frontend.rl_api import check_pause_mode
 from ringserve.http.context import TOO_DEEP, AppContext
 from ringserve.http.errors import APIError, bad_request
 from ringserve.http.responses import json_response

@@ -40,7 +40,7 @@ import trio
 import zmq
 
 from ringserve.config import EngineConfig
-from ringserve.engine.cluster import (
+from ringserve.engine.cluster.fleet import (
     ClusterSettings,
     EngineFleet,
     build_topology,
@@ -49,10 +49,10 @@ from ringserve.engine.cluster import (
     remove_run_dir,
     tcp_addresses,
 )
-from ringserve.engine.cluster_wire import ClusterTopology
+from ringserve.engine.cluster.wire import ClusterTopology
 from ringserve.engine.errors import EngineDeadError, EngineStartupError
-from ringserve.engine.fault_tolerance import RestartBudget
-from ringserve.engine.mp_client import ChildProcess
+from ringserve.engine.frontend.fault_tolerance import RestartBudget
+from ringserve.engine.frontend.mp_client import ChildProcess
 from ringserve.http.frontend_proc import ENGINE_DEAD, STARTUP_FAILED, FrontendInit
 from ringserve.http.server import _clean_stale, configure_logging, hypercorn_config, open_listener
 from ringserve.http.settings import ServeSettings
@@ -72,7 +72,7 @@ def serve_scaled_out(config: EngineConfig, settings: ServeSettings,
         OSError: the address cannot be bound, or the head cannot be reached.
         EngineDeadError: an engine core could not be kept running, or the engine died.
     """
-    from ringserve.engine.cluster_auth import ClusterAuth, check_bind_policy
+    from ringserve.engine.cluster.auth import ClusterAuth, check_bind_policy
 
     configure_logging()
     cluster.check(config)
@@ -157,7 +157,7 @@ class Deployment:
                 nursery.start_soon(self._watch_signals, nursery)
                 await nursery.start(self._run_fleet, nursery.cancel_scope)
                 if self.topology.control_addr and not self.cluster.headless:
-                    from ringserve.engine.elastic_cluster import ScaleService
+                    from ringserve.engine.cluster.elastic_cluster import ScaleService
 
                     await nursery.start(ScaleService(self.fleet, self._resized).run)
                 if not self.cluster.headless:

@@ -4,7 +4,7 @@
 with an error the CLI prints as one line: bind the listening socket (so "address already in
 use" is reported before any model loads), load the TLS certificate, build the `AsyncLLM`
 (tokenizer), clean the segments and ipc socket directories a SIGKILLed run left behind
-(`ringserve.shm.cleanup_stale`, `ringserve.engine.ipc_dir`), build the ASGI app, then
+(`ringserve.shm.cleanup_stale`, `ringserve.engine.frontend.ipc_dir`), build the ASGI app, then
 `trio.run` the `Supervisor` (hypercorn + engine under one root nursery, see
 `ringserve.http.supervisor`). Errors that leave the nursery arrive in exception groups;
 `serve` unwraps them so the caller sees the one that matters (`EngineDeadError` when an engine
@@ -29,10 +29,10 @@ import trio
 from starlette.types import ASGIApp
 
 from ringserve.config import EngineConfig
-from ringserve.engine.async_llm import AsyncLLM
-from ringserve.engine.attached_client import Attachment
 from ringserve.engine.errors import EngineDeadError, EngineStartupError
-from ringserve.engine.ipc_dir import cleanup_stale_ipc_dirs
+from ringserve.engine.frontend.async_llm import AsyncLLM
+from ringserve.engine.frontend.attached_client import Attachment
+from ringserve.engine.frontend.ipc_dir import cleanup_stale_ipc_dirs
 from ringserve.errors import RingserveError
 from ringserve.http.app import build_app
 from ringserve.http.settings import ServerState, ServeSettings

@@ -40,8 +40,8 @@ from typing import Any
 import hypercorn.trio
 import trio
 
-from ringserve.engine.async_llm import AsyncLLM
 from ringserve.engine.errors import EngineDeadError
+from ringserve.engine.frontend.async_llm import AsyncLLM
 from ringserve.http.settings import ServerState, ServeSettings
 
 logger = logging.getLogger(__name__)

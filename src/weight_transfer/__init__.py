@@ -6,7 +6,7 @@ Owns the four-phase protocol's moving parts (vLLM's weight-transfer API):
 `TrainerWeightTransferEngine` drives them through a sync client (`WeightSyncClient` over
 HTTP, or an in-process `LLM`) from a `WeightSource`; each engine worker opens a receiver with
 `make_receiver` and feeds what `WeightReceiver.receive` yields to its model's loader (the
-engine side lives in ``ringserve.engine.weight_sync`` and ``ringserve.gpu.weight_update``;
+engine side lives in ``ringserve.engine.core.weight_sync`` and ``ringserve.gpu.weights.update``;
 this package imports neither).
 
 Transports (`WeightTransferConfig.backend`): ``shm`` (one host: shared-memory segments read in

@@ -32,7 +32,7 @@ class WeightTransferConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=Tr
             larger than this travels alone in a bucket of its own size.
         snapshot: the engine keeps the last complete round on disk, so that a restart after
             a fault (`retry`) or a wake-up from sleep level 2 serves it
-            (`ringserve.gpu.weight_snapshot`); costs one write of the round's bytes on TP
+            (`ringserve.gpu.weights.snapshot`); costs one write of the round's bytes on TP
             rank 0. Off: those load the start-up checkpoint again.
     """
 

@@ -1,7 +1,7 @@
 """The worker side of a weight update: a receiver per engine worker, made at
 ``init_weight_transfer_engine`` and asked for one bucket's tensors per ``update_weights``.
 
-The engine's worker (``ringserve.gpu.weight_update``) calls :func:`make_receiver` with the
+The engine's worker (``ringserve.gpu.weights.update``) calls :func:`make_receiver` with the
 trainer's ``init_info`` and then, per bucket, feeds :meth:`WeightReceiver.receive`'s
 ``(name, tensor)`` pairs to the model's loader, which copies each before the next is asked
 for. Imports no engine code. Schemas: ``ringserve.weight_transfer.messages``.

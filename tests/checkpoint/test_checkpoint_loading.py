@@ -15,8 +15,8 @@ from safetensors.torch import load_file, save_file
 from ringserve.config import ModelConfig
 from ringserve.errors import ModelDirectoryError
 from ringserve.gpu.attention.backend import TorchAttentionBackend
-from ringserve.gpu.loader import load_model
-from ringserve.gpu.parallel import TPGroup
+from ringserve.gpu.layers.parallel import TPGroup
+from ringserve.gpu.weights.loader import load_model
 from ringserve.sampling_params import default_sampling_params
 
 NEW_TOKENS = 6

@@ -326,7 +326,7 @@ def _hf_reference(family: str) -> tuple[list[list[int]], list[list[int]], list[l
 
 
 def _llm(model: str) -> Any:
-    from ringserve.engine.llm import LLM
+    from ringserve.engine.frontend.llm import LLM
 
     return LLM(model, **E2E_ENGINE)
 

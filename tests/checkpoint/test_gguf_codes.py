@@ -15,9 +15,10 @@ from gguf_export import export_gguf
 
 from ringserve.checkpoint import gguf_codes
 from ringserve.engine.arg_utils import EngineArgs
-from ringserve.gpu import panel_native, quant
-from ringserve.gpu.linear import ColumnParallelLinear, RowParallelLinear
-from ringserve.gpu.model_runner import ModelRunner
+from ringserve.gpu.layers import quant
+from ringserve.gpu.layers.linear import ColumnParallelLinear, RowParallelLinear
+from ringserve.gpu.native import panel as panel_native
+from ringserve.gpu.runner.model_runner import ModelRunner
 from ringserve.gpu.testing import tiny_model
 
 Q = gguf.GGMLQuantizationType
@@ -118,7 +119,7 @@ def test_quantized_layers_keep_the_files_codes(qtype: gguf.GGMLQuantizationType,
 def test_an_int8_layer_from_q8_0_takes_a_weight_update(tmp_path: Path) -> None:
     """New float weights for an int8 layer loaded from Q8_0 (an RL weight update) are rounded
     per channel into the same per-group panels, in place."""
-    from ringserve.gpu.linear import refresh_panel
+    from ringserve.gpu.layers.linear import refresh_panel
 
     path = export_gguf(tiny_model("llama"), tmp_path / "llama-q8_0.gguf", qtype=Q.Q8_0)
     layer = _linears(_runner(path, "int8"))["model.layers.0.mlp.down_proj"]
@@ -172,7 +173,7 @@ def _tp_rank(rank: int, path: str, port: int, out: str) -> None:
 
     import torch.distributed as dist
 
-    from ringserve.gpu.parallel import init_tp_group
+    from ringserve.gpu.layers.parallel import init_tp_group
 
     torch.set_num_threads(1)
     tp = init_tp_group(rank, 2, backend="gloo", init_method=f"tcp://127.0.0.1:{port}")

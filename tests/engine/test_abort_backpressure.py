@@ -20,10 +20,10 @@ import trio
 import zmq
 
 from ringserve import EngineArgs, RequestOutputKind, SamplingParams
-from ringserve.engine.async_client import AsyncMPClient
-from ringserve.engine.async_llm import AsyncLLM
-from ringserve.engine.core_sender import socket_events
-from ringserve.engine.mp_client import SyncMPClient
+from ringserve.engine.frontend.async_client import AsyncMPClient
+from ringserve.engine.frontend.async_llm import AsyncLLM
+from ringserve.engine.frontend.core_sender import socket_events
+from ringserve.engine.frontend.mp_client import SyncMPClient
 from ringserve.engine.wire import AbortRequests, EngineCoreRequest
 
 LONG = SamplingParams(max_tokens=60000, ignore_eos=True, output_kind=RequestOutputKind.DELTA)

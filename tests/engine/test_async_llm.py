@@ -12,9 +12,9 @@ import pytest
 import trio
 
 from ringserve import EngineArgs, RequestOutputKind, SamplingParams
-from ringserve.engine.async_llm import AsyncLLM
 from ringserve.engine.errors import EngineDeadError, MaxQueuedTokensError, QueueOverflowError
-from ringserve.engine.output_processor import OutputProcessor
+from ringserve.engine.frontend.async_llm import AsyncLLM
+from ringserve.engine.frontend.output_processor import OutputProcessor
 
 LONG = SamplingParams(max_tokens=2000, ignore_eos=True, output_kind=RequestOutputKind.DELTA)
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ringserve.engine.bench_throughput import check_counts, workload
+from ringserve.bench.throughput import check_counts, workload
 
 
 def test_exact_counts_are_credited_in_full() -> None:

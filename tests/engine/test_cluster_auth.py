@@ -1,4 +1,4 @@
-"""Tests for ringserve.engine.cluster_auth: CURVE + ZAP link authentication, key loading, and
+"""Tests for ringserve.engine.cluster.auth: CURVE + ZAP link authentication, key loading, and
 the bind policy.
 
 Links run over tcp://127.0.0.1 on random ports; the server and the client have a context each,
@@ -17,7 +17,7 @@ import pytest
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from ringserve.engine.cluster_auth import (
+from ringserve.engine.cluster.auth import (
     ENV_VAR,
     ClusterAuth,
     check_bind_policy,

@@ -14,7 +14,7 @@ from typing import Any
 import msgspec
 import zmq
 
-from ringserve.engine.core_links import BROADCAST, ClientLinks
+from ringserve.engine.core.core_links import BROADCAST, ClientLinks
 from ringserve.engine.wire import EngineCoreOutputs, HandshakeReply
 
 

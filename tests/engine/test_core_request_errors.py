@@ -22,9 +22,9 @@ import trio
 
 from ringserve import EngineArgs, RequestOutputKind, SamplingParams
 from ringserve.config import EngineConfig
-from ringserve.engine.async_llm import AsyncLLM
 from ringserve.engine.errors import EngineDeadError
-from ringserve.engine.mp_client import SyncMPClient
+from ringserve.engine.frontend.async_llm import AsyncLLM
+from ringserve.engine.frontend.mp_client import SyncMPClient
 from ringserve.engine.wire import EngineCoreOutput, EngineCoreRequest, FinishReason
 
 pytestmark = pytest.mark.slow
@@ -136,10 +136,10 @@ def test_a_dead_output_thread_ends_the_core_with_status_1(
     (tmp_path / "sitecustomize.py").write_text(textwrap.dedent("""
         import os
         if os.environ.get("RINGSERVE_TEST_UNENCODABLE_PING"):
-            from ringserve.engine.core import EngineCore
+            from ringserve.engine.core.engine_core import EngineCore
             EngineCore.ping = lambda self: object()
         if os.environ.get("RINGSERVE_TEST_SIGNAL_LOST"):
-            import ringserve.engine.core_proc as core_proc
+            import ringserve.engine.core.core_proc as core_proc
             core_proc._interrupt_main = lambda: None
     """))
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(

@@ -11,12 +11,12 @@ from hypothesis import strategies as st
 from transformers import AutoTokenizer
 
 from ringserve import SamplingParams
-from ringserve.engine.detokenizer import (
+from ringserve.engine.frontend.detokenizer import (
     FastIncrementalDetokenizer,
     IncrementalDetokenizer,
     SlowIncrementalDetokenizer,
 )
-from ringserve.engine.stop_strings import find_stop_string
+from ringserve.engine.frontend.stop_strings import find_stop_string
 
 TEXT = "naïve café — 你好 👋 and more: 東京 🇫🇷 über"
 FAST = SamplingParams()

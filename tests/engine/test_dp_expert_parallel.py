@@ -1,6 +1,6 @@
 """DP=2 + expert parallelism (`--enable-expert-parallel`): two engine cores whose workers
 hold half the experts each and exchange tokens by all-to-all, so the cores step in lockstep
-(`ringserve.engine.dp_wave`). A request on one core while the other is idle does not hang (the
+(`ringserve.engine.core.dp_wave`). A request on one core while the other is idle does not hang (the
 idle core runs dummy passes) and gives transformers' greedy tokens; so do requests on both at
 once, and a new wave after an idle spell. Faults: a killed core fails the requests of the
 other too (its collectives cannot complete), both report unhealthy, `retry` rebuilds the group
@@ -20,8 +20,8 @@ import torch
 import trio
 
 from ringserve import EngineArgs, RequestOutputKind, SamplingParams
-from ringserve.engine.async_llm import AsyncLLM
 from ringserve.engine.errors import EngineGenerateError, EngineRecoveringError
+from ringserve.engine.frontend.async_llm import AsyncLLM
 from ringserve.gpu.testing import tiny_model
 
 pytestmark = pytest.mark.slow

@@ -12,7 +12,7 @@ import pytest
 import trio
 
 from ringserve import EngineArgs, RequestOutputKind, SamplingParams
-from ringserve.engine.async_llm import AsyncLLM
+from ringserve.engine.frontend.async_llm import AsyncLLM
 from ringserve.engine.wire import UtilityCall
 
 LONG = SamplingParams(max_tokens=60000, ignore_eos=True, output_kind=RequestOutputKind.DELTA)

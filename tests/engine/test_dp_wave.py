@@ -1,4 +1,4 @@
-"""The lockstep waves' consensus interval (`--dp-sync-interval`, `ringserve.engine.dp_wave`):
+"""The lockstep waves' consensus interval (`--dp-sync-interval`, `ringserve.engine.core.dp_wave`):
 two cores' `WaveSync` over a real store and gloo group (threads of one process) all-reduce
 "I have work" only at a wave's first step and every `sync_interval` steps after, step alike
 in between, and leave the wave together at the first consensus where neither has work."""
@@ -11,8 +11,8 @@ from typing import Any
 import pytest
 
 from ringserve.engine.arg_utils import EngineArgs
-from ringserve.engine.dp_wave import WaveSync
-from ringserve.gpu.parallel import serve_store
+from ringserve.engine.core.dp_wave import WaveSync
+from ringserve.gpu.layers.parallel import serve_store
 from ringserve.gpu.testing import tiny_model
 
 

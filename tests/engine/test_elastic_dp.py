@@ -15,14 +15,14 @@ import pytest
 import trio
 
 from ringserve import EngineArgs, SamplingParams
-from ringserve.engine import elastic_dp
-from ringserve.engine.async_llm import AsyncLLM
-from ringserve.engine.elastic_dp import (
+from ringserve.engine.cluster import elastic_dp
+from ringserve.engine.cluster.elastic_dp import (
     DrainTimeoutError,
     ElasticScaleError,
     ScaleFailedError,
     ScaleInProgressError,
 )
+from ringserve.engine.frontend.async_llm import AsyncLLM
 from ringserve.engine.wire import UtilityCall
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
@@ -205,8 +205,8 @@ async def test_expert_parallel_and_weight_transfer_are_refused(model_dir: Path) 
 
 
 async def test_a_frontend_with_engines_on_other_hosts_refuses(model_dir: Path) -> None:
-    from ringserve.engine.attached_client import Attachment
-    from ringserve.engine.cluster_wire import ClusterTopology
+    from ringserve.engine.cluster.wire import ClusterTopology
+    from ringserve.engine.frontend.attached_client import Attachment
 
     config = engine_args(model_dir).create_engine_config()
     llm = AsyncLLM(config, attach=Attachment(ClusterTopology(frontends=[]), 0))

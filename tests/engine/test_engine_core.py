@@ -8,7 +8,7 @@ import pytest
 
 from ringserve import EngineArgs, SamplingParams
 from ringserve.config import EngineConfig
-from ringserve.engine.llm_engine import LLMEngine
+from ringserve.engine.frontend.llm_engine import LLMEngine
 from ringserve.gpu.executor.null import NullExecutor
 
 

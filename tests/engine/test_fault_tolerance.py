@@ -14,8 +14,8 @@ import pytest
 import trio
 
 from ringserve import EngineArgs, RequestOutputKind, SamplingParams
-from ringserve.engine.async_llm import AsyncLLM
 from ringserve.engine.errors import EngineDeadError, EngineGenerateError, EngineRecoveringError
+from ringserve.engine.frontend.async_llm import AsyncLLM
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
 LONG = SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True,
@@ -346,7 +346,7 @@ async def test_killed_core_of_two_fails_only_its_requests(tiny_llama_dir: Path) 
 async def test_a_core_reaped_before_the_watch_starts_is_seen_dead(tiny_llama_dir: Path) -> None:
     """The race the engine's start can lose: the core dies (and its watcher thread reaps it)
     before `watch_cores` opens its pidfd; the death is still reported, with its signal."""
-    from ringserve.engine.async_client import AsyncMPClient
+    from ringserve.engine.frontend.async_client import AsyncMPClient
 
     config = EngineArgs(model=str(tiny_llama_dir), device="cpu", max_model_len=512,
                         kv_cache_memory=16 << 20, enable_fault_tolerance=False,
@@ -366,7 +366,7 @@ async def test_a_core_reaped_before_the_watch_starts_is_seen_dead(tiny_llama_dir
 
 
 def test_restart_budget_counts_restarts_within_its_window(monkeypatch: pytest.MonkeyPatch) -> None:
-    from ringserve.engine import fault_tolerance
+    from ringserve.engine.frontend import fault_tolerance
 
     monkeypatch.setenv("RINGSERVE_CORE_RESTART_LIMIT", "2")
     monkeypatch.setenv("RINGSERVE_CORE_RESTART_WINDOW_S", "10")

@@ -9,7 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from ringserve.engine.ipc_dir import cleanup_stale_ipc_dirs, creator_pid, make_ipc_dir
+from ringserve.engine.frontend.ipc_dir import cleanup_stale_ipc_dirs, creator_pid, make_ipc_dir
 
 
 def _dead_pid() -> int:

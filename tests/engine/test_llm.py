@@ -17,7 +17,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from ringserve import SamplingParams
 from ringserve.engine.errors import EngineStartupError
-from ringserve.engine.llm import LLM
+from ringserve.engine.frontend.llm import LLM
 
 PROMPTS = ["Hello there", "naïve café — 你好 👋 and more",
            "a b c d e f g h i j k l m n o p q r s t u v w x y z " * 3, "x"]
@@ -98,7 +98,7 @@ def test_startup_failure_reports_the_reason(tiny_llama_dir: Path) -> None:
 
 _PARENT = """
 import os, sys
-from ringserve.engine.llm import LLM
+from ringserve.engine.frontend.llm import LLM
 llm = LLM(sys.argv[1], device="cpu", kv_cache_memory=16 << 20)
 print(llm.llm_engine.engine_core.process.pid, flush=True)
 import time; time.sleep(120)

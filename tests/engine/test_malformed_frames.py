@@ -19,9 +19,9 @@ import zmq
 
 from ringserve import EngineArgs
 from ringserve.config import EngineConfig
-from ringserve.engine.async_client import AsyncMPClient
-from ringserve.engine.core_client import EngineCoreClient
-from ringserve.engine.mp_client import SyncMPClient
+from ringserve.engine.frontend.async_client import AsyncMPClient
+from ringserve.engine.frontend.core_client import EngineCoreClient
+from ringserve.engine.frontend.mp_client import SyncMPClient
 from ringserve.engine.wire import UtilityCall
 from ringserve.serial import MsgpackDecoder, MsgpackEncoder
 

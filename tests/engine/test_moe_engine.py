@@ -17,12 +17,12 @@ from transformers import AutoModelForCausalLM
 
 from ringserve import SamplingParams
 from ringserve.config import ModelConfig
-from ringserve.engine.llm import LLM
+from ringserve.engine.frontend.llm import LLM
 from ringserve.errors import ModelDirectoryError
 from ringserve.gpu.attention.backend import TorchAttentionBackend
-from ringserve.gpu.loader import load_model
-from ringserve.gpu.parallel import TPGroup
+from ringserve.gpu.layers.parallel import TPGroup
 from ringserve.gpu.testing import tiny_model
+from ringserve.gpu.weights.loader import load_model
 from ringserve.weight_transfer import ModuleWeightSource, TrainerWeightTransferEngine
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=0)

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from ringserve import EngineArgs
-from ringserve.engine.mp_client import CoreProcess
+from ringserve.engine.frontend.mp_client import CoreProcess
 
 
 @pytest.mark.slow

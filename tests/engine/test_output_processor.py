@@ -12,9 +12,9 @@ from transformers import AutoTokenizer
 
 from ringserve import EngineArgs, RequestOutputKind, SamplingParams
 from ringserve.config import ModelConfig
-from ringserve.engine.input_processor import InputProcessor
-from ringserve.engine.output_processor import OutputProcessor
-from ringserve.engine.parent_request import ParentRequest
+from ringserve.engine.frontend.input_processor import InputProcessor
+from ringserve.engine.frontend.output_processor import OutputProcessor
+from ringserve.engine.frontend.parent_request import ParentRequest
 from ringserve.engine.wire import EngineCoreOutput, EngineCoreRequest, FinishReason, Logprobs
 
 

@@ -12,7 +12,7 @@ import pytest
 import trio
 
 from ringserve import EngineArgs, RequestOutputKind, SamplingParams
-from ringserve.engine.async_llm import AsyncLLM
+from ringserve.engine.frontend.async_llm import AsyncLLM
 
 LONG = 60000  # null steps take microseconds: a stream must outlast the pause call
 STREAM = SamplingParams(max_tokens=LONG, ignore_eos=True, output_kind=RequestOutputKind.DELTA)

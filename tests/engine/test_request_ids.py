@@ -14,8 +14,8 @@ import pytest
 import trio
 
 from ringserve import EngineArgs, RequestOutputKind, SamplingParams
-from ringserve.engine.async_llm import AsyncLLM
-from ringserve.engine.llm import LLM
+from ringserve.engine.frontend.async_llm import AsyncLLM
+from ringserve.engine.frontend.llm import LLM
 
 LONG = SamplingParams(max_tokens=2000, ignore_eos=True, output_kind=RequestOutputKind.DELTA)
 

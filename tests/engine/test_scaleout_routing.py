@@ -17,9 +17,9 @@ import trio
 from test_dp_routing import record_choices
 
 from ringserve import EngineArgs, RequestOutputKind, SamplingParams
-from ringserve.engine.async_llm import AsyncLLM
-from ringserve.engine.attached_client import AttachedMPClient, Attachment
-from ringserve.engine.cluster import ClusterSettings, EngineFleet, build_topology
+from ringserve.engine.cluster.fleet import ClusterSettings, EngineFleet, build_topology
+from ringserve.engine.frontend.async_llm import AsyncLLM
+from ringserve.engine.frontend.attached_client import AttachedMPClient, Attachment
 from ringserve.engine.wire import UtilityCall
 
 LONG = SamplingParams(max_tokens=60000, ignore_eos=True, output_kind=RequestOutputKind.DELTA)

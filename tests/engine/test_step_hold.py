@@ -12,7 +12,7 @@ import pytest
 import trio
 
 from ringserve import EngineArgs, RequestOutputKind, SamplingParams, StructuredOutputsParams
-from ringserve.engine.async_llm import AsyncLLM
+from ringserve.engine.frontend.async_llm import AsyncLLM
 from ringserve.gpu.executor.step_hold import steps_may_be_skipped
 
 pytestmark = pytest.mark.slow

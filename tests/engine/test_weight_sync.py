@@ -19,8 +19,8 @@ from transformers import AutoModelForCausalLM
 
 from ringserve import SamplingParams
 from ringserve.engine.arg_utils import EngineArgs
-from ringserve.engine.async_llm import AsyncLLM
-from ringserve.engine.llm import LLM
+from ringserve.engine.frontend.async_llm import AsyncLLM
+from ringserve.engine.frontend.llm import LLM
 from ringserve.weight_transfer import (
     ModuleWeightSource,
     SharedWeights,

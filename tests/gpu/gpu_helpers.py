@@ -9,8 +9,8 @@ from runner_driver import ToyScheduler
 
 from ringserve.engine.arg_utils import EngineArgs
 from ringserve.gpu.attention.backend import BackendName
-from ringserve.gpu.model_runner import ModelRunner
-from ringserve.gpu.parallel import TPGroup
+from ringserve.gpu.layers.parallel import TPGroup
+from ringserve.gpu.runner.model_runner import ModelRunner
 
 
 def make_runner(

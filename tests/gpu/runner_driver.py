@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ringserve.gpu.model_runner import ModelRunner
+from ringserve.gpu.runner.model_runner import ModelRunner
 from ringserve.gpu.wire import (
     CachedRequestData,
     Logprobs,

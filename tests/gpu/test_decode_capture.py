@@ -1,4 +1,4 @@
-"""The captured decode step (`ringserve.gpu.decode_capture`, the fused C step on CPU) against
+"""The captured decode step (`ringserve.gpu.runner.decode_capture`, the fused C step on CPU) against
 the eager model: token for token and logprob for logprob, for every family the C step covers,
 at every batch size of a ladder and the sizes between (a request mix that shrinks across the
 ladder mid-stream, and starts above its top so the first steps run eagerly); which models and
@@ -16,8 +16,8 @@ import torch
 from runner_driver import ToyScheduler
 
 from ringserve.engine.arg_utils import EngineArgs
-from ringserve.gpu.input_prep import prepare_inputs
-from ringserve.gpu.model_runner import ModelRunner
+from ringserve.gpu.runner.input_prep import prepare_inputs
+from ringserve.gpu.runner.model_runner import ModelRunner
 from ringserve.gpu.testing import tiny_model
 from ringserve.sampling_params import SamplingParams
 
@@ -166,7 +166,7 @@ def test_a_raised_abort_flag_ends_the_step_and_its_rerun_is_unchanged() -> None:
     """The step-hold byte (`ringserve.gpu.executor.step_hold`) ends a captured step between
     two layers; the step run again over the KV the ended one half wrote gives the same
     tokens and logprobs as steps that were never ended."""
-    from ringserve.gpu.decode_capture import StepAborted
+    from ringserve.gpu.runner.decode_capture import StepAborted
 
     model = tiny_model("llama")
     want = _mix(_runner(model))

@@ -33,9 +33,9 @@ from runner_driver import ToyScheduler
 from ringserve.config import ModelConfig
 from ringserve.gpu.attention import cpu_native
 from ringserve.gpu.attention.backend import BackendName, TorchAttentionBackend
+from ringserve.gpu.layers.parallel import TPGroup
 from ringserve.gpu.models.gemma import GemmaSpec
 from ringserve.gpu.models.registry import model_class
-from ringserve.gpu.parallel import TPGroup
 from ringserve.gpu.testing import tiny_model
 
 FAMILIES = ("gemma2", "gemma3", "phi3", "phi4mini")
@@ -75,7 +75,7 @@ TP_FAMILIES = ("gemma2", "gemma3", "phi4mini")
 
 
 def _rank_main(rank: int, port: int, out_path: str) -> None:
-    from ringserve.gpu.parallel import init_tp_group
+    from ringserve.gpu.layers.parallel import init_tp_group
 
     torch.set_num_threads(1)
     tp = init_tp_group(rank, 2, backend="gloo", init_method=f"tcp://127.0.0.1:{port}")

@@ -21,6 +21,7 @@ from ringserve.engine.arg_utils import EngineArgs
 from ringserve.gpu.executor.base import Executor
 from ringserve.gpu.executor.errors import ExecutorShutdownError, WorkerDiedError, WorkerError
 from ringserve.gpu.executor.multiproc import MultiprocExecutor
+from ringserve.gpu.executor.select import executor_class
 from ringserve.gpu.wire import ModelRunnerOutput, NewRequestData, SchedulerOutput
 from ringserve.sampling_params import SamplingParams
 from ringserve.shm.liveness import pid_alive
@@ -86,7 +87,7 @@ def _cmdline(pid: int) -> str:
 
 
 def test_get_class_picks_mp(tiny_llama_dir: Path) -> None:
-    assert Executor.get_class(_config(tiny_llama_dir)) is MultiprocExecutor
+    assert executor_class(_config(tiny_llama_dir)) is MultiprocExecutor
 
 
 def test_tp1_matches_in_process_runner(

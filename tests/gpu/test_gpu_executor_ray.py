@@ -26,6 +26,7 @@ from ringserve.engine.arg_utils import EngineArgs
 from ringserve.gpu.executor.base import Executor
 from ringserve.gpu.executor.errors import ExecutorShutdownError, WorkerDiedError, WorkerError
 from ringserve.gpu.executor.ray_executor import RayExecutor
+from ringserve.gpu.executor.select import executor_class
 from ringserve.gpu.wire import ModelRunnerOutput, NewRequestData, SchedulerOutput
 from ringserve.sampling_params import SamplingParams
 from ringserve.shm.liveness import pid_alive
@@ -131,7 +132,7 @@ def executor(
 def test_engine_args_accept_ray_and_get_class_picks_it(tiny_llama_dir: Path) -> None:
     config = _config(tiny_llama_dir)
     assert config.parallel_config.distributed_executor_backend == "ray"
-    assert Executor.get_class(config) is RayExecutor
+    assert executor_class(config) is RayExecutor
 
 
 def test_tp1_matches_in_process_runner(executor: RayExecutor, reference: dict[str, list[int]]) -> None:

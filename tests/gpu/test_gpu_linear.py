@@ -12,10 +12,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from ringserve.gpu import panel_native
-from ringserve.gpu.linear import ColumnParallelLinear, RowParallelLinear, pack_weight
-from ringserve.gpu.parallel import TPGroup
-from ringserve.gpu.vocab_embedding import ParallelLMHead
+from ringserve.gpu.layers.linear import ColumnParallelLinear, RowParallelLinear, pack_weight
+from ringserve.gpu.layers.parallel import TPGroup
+from ringserve.gpu.layers.vocab_embedding import ParallelLMHead
+from ringserve.gpu.native import panel as panel_native
 
 needs_onednn = pytest.mark.skipif(not torch._C._has_mkldnn, reason="torch built without oneDNN")
 LIBRARY = panel_native.load_library()
@@ -139,7 +139,7 @@ def _has_avx512() -> bool:
 @pytest.fixture(scope="module")
 def avx2_library() -> ctypes.CDLL:
     """The panel library built again with -mno-avx512f: the AVX2 kernels."""
-    from ringserve.gpu import native_build
+    from ringserve.gpu.native import build as native_build
 
     cc = native_build.compiler()
     assert cc is not None and LIBRARY is not None
@@ -161,7 +161,7 @@ def test_avx512_tiles_equal_the_avx2_build_bit_for_bit(method: str,
     both, so the products are equal bit for bit, except float32 rows that the AVX2 split
     puts in its 1-row tile (which pairs its inputs); those agree to rounding. This keeps the
     AVX2 path (the CPU the project targets) tested on AVX-512 machines."""
-    from ringserve.gpu import quant
+    from ringserve.gpu.layers import quant
 
     assert LIBRARY is not None
     gen = torch.Generator().manual_seed(5)

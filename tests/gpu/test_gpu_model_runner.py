@@ -13,8 +13,8 @@ from gpu_helpers import make_runner
 from runner_driver import ToyScheduler
 
 from ringserve.engine.arg_utils import EngineArgs
-from ringserve.gpu.model_runner import ModelRunner
-from ringserve.gpu.validation import validate_request
+from ringserve.gpu.runner.model_runner import ModelRunner
+from ringserve.gpu.runner.validation import validate_request
 from ringserve.gpu.wire import CachedRequestData, NewRequestData, SchedulerOutput
 from ringserve.gpu.worker import Worker
 from ringserve.sampling_params import SamplingParams

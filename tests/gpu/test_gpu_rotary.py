@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from ringserve.gpu.rotary import RotaryEmbedding, rope_parameters
+from ringserve.gpu.layers.rotary import RotaryEmbedding, rope_parameters
 
 
 def test_stacked_rotation_equals_separate_rotation_bitwise() -> None:

@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 import torch
 
-from ringserve.gpu.request_state import RequestTable
-from ringserve.gpu.sampler import Sampler, SamplerOutput
-from ringserve.gpu.sampling_metadata import build_sampling_metadata
+from ringserve.gpu.runner.request_state import RequestTable
+from ringserve.gpu.sample.sampler import Sampler, SamplerOutput
+from ringserve.gpu.sample.sampling_metadata import build_sampling_metadata
 from ringserve.gpu.wire import NewRequestData
 from ringserve.sampling_params import SamplingParams
 
@@ -85,8 +85,8 @@ def test_penalties_follow_vllm_formulas() -> None:
         temperature=0.0, repetition_penalty=2.0, frequency_penalty=0.5, presence_penalty=0.25
     )
     table_out = _run([params], logits.clone(), prompt=[4, 5], outputs=[[6, 6]])
-    from ringserve.gpu.logits_processors import apply_penalties
-    from ringserve.gpu.sampling_metadata import Penalties
+    from ringserve.gpu.sample.logits_processors import apply_penalties
+    from ringserve.gpu.sample.sampling_metadata import Penalties
 
     p = Penalties(
         presence=torch.tensor([0.25]), frequency=torch.tensor([0.5]),

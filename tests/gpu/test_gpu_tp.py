@@ -29,7 +29,7 @@ def _greedy(model_dir: str, tp: object) -> dict[str, list[int]]:
 
 
 def _rank_main(rank: int, model_dir: str, port: int, out_path: str) -> None:
-    from ringserve.gpu.parallel import init_tp_group
+    from ringserve.gpu.layers.parallel import init_tp_group
 
     torch.set_num_threads(1)
     tp = init_tp_group(rank, 2, backend="gloo", init_method=f"tcp://127.0.0.1:{port}")

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ringserve.gpu import grammar_mask
-from ringserve.gpu.grammar_mask import apply_bitmask, apply_bitmask_torch
+from ringserve.gpu.sample import grammar_mask
+from ringserve.gpu.sample.grammar_mask import apply_bitmask, apply_bitmask_torch
 
 
 def _expected(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> torch.Tensor:

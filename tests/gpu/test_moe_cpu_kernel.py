@@ -1,4 +1,4 @@
-"""The MoE SwiGLU experts' C kernel (src/gpu/moe/moe_cpu.c through
+"""The MoE SwiGLU experts' C kernel (src/gpu/native/moe_cpu.c through
 `ringserve.gpu.moe.cpu_experts.PackedExperts`) against the torch reference
 `grouped._looped_swiglu`: float32 panels for shapes whose H and I leave the last panel partly
 empty, experts without rows, more rows than one task's block (48), P = 1 and P = 0; int8 / int4
@@ -12,9 +12,9 @@ from collections.abc import Iterator
 import pytest
 import torch
 
+from ringserve.gpu.layers.quant import dequantize, quantize_codes
 from ringserve.gpu.moe.cpu_experts import PackedExperts, available
 from ringserve.gpu.moe.grouped import _looped_swiglu
-from ringserve.gpu.quant import dequantize, quantize_codes
 
 pytestmark = pytest.mark.skipif(not available(), reason="no C compiler with OpenMP")
 

@@ -16,11 +16,11 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from gpu_helpers import free_port
 
+from ringserve.gpu.layers.parallel import TPGroup
 from ringserve.gpu.moe import grouped
 from ringserve.gpu.moe.dispatch import EPGroup
 from ringserve.gpu.moe.layer import FusedMoE
 from ringserve.gpu.moe.router import select_experts
-from ringserve.gpu.parallel import TPGroup
 
 E, H, INTER, K = 8, 32, 24, 2
 

@@ -76,7 +76,7 @@ def test_router_chooses_transformers_experts(family: str) -> None:
 
 
 def _rank_main(rank: int, port: int, out_path: str, mode: str) -> None:
-    from ringserve.gpu.parallel import init_tp_group
+    from ringserve.gpu.layers.parallel import init_tp_group
 
     torch.set_num_threads(1)
     tp = init_tp_group(rank, 2, backend="gloo", init_method=f"tcp://127.0.0.1:{port}")

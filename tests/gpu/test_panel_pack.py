@@ -8,10 +8,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ringserve.gpu import panel_native
-from ringserve.gpu.linear import ColumnParallelLinear, RowParallelLinear, loads_in_place
-from ringserve.gpu.parallel import TPGroup
-from ringserve.gpu.vocab_embedding import ParallelLMHead, VocabParallelEmbedding
+from ringserve.gpu.layers.linear import ColumnParallelLinear, RowParallelLinear, loads_in_place
+from ringserve.gpu.layers.parallel import TPGroup
+from ringserve.gpu.layers.vocab_embedding import ParallelLMHead, VocabParallelEmbedding
+from ringserve.gpu.native import panel as panel_native
 
 LIBRARY = panel_native.load_library()
 pytestmark = pytest.mark.skipif(LIBRARY is None, reason="no C compiler with OpenMP")

@@ -1,4 +1,4 @@
-"""The int8 / int4 / int8g (int8 with a scale per 32 inputs) panel kernels (src/gpu/panel_quant.c) against the torch reference
+"""The int8 / int4 / int8g (int8 with a scale per 32 inputs) panel kernels (src/gpu/native/panel_quant.c) against the torch reference
 `F.linear(x, dequantize(codes))`: every tile size (rows 1..13 and 64), output features that
 leave the last panel partly empty, input features from 1 (int8) or 32 (int4) to 1536, with and
 without the panels' bias, on one thread and split over two (the same result); and the C
@@ -14,8 +14,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from ringserve.gpu import panel_native
-from ringserve.gpu.quant import QuantCodes, dequantize, pack, quantize_codes, unpack
+from ringserve.gpu.layers.quant import QuantCodes, dequantize, pack, quantize_codes, unpack
+from ringserve.gpu.native import panel as panel_native
 
 ROWS = [*range(1, 14), 64]
 SHAPES = [("int8", k) for k in (1, 7, 32, 33, 100, 577, 1536)] + [

@@ -1,4 +1,4 @@
-"""Weight-only int8 / int4 quantization (ringserve.gpu.quant): `quantized_linear` on the
+"""Weight-only int8 / int4 quantization (ringserve.gpu.layers.quant): `quantized_linear` on the
 panels equals a dequantize-then-matmul reference (the C kernels, and the torch fallback used
 without a C compiler), the rounding error is bounded by half a step, the linear layers quantize
 their shard after loading, the settings are checked, and the tiny Llama quantized keeps close
@@ -18,10 +18,9 @@ from runner_driver import ToyScheduler
 
 from ringserve.config import ModelConfig
 from ringserve.engine.arg_utils import EngineArgs
-from ringserve.gpu import panel_native
-from ringserve.gpu.linear import ColumnParallelLinear, RowParallelLinear
-from ringserve.gpu.parallel import TPGroup
-from ringserve.gpu.quant import (
+from ringserve.gpu.layers.linear import ColumnParallelLinear, RowParallelLinear
+from ringserve.gpu.layers.parallel import TPGroup
+from ringserve.gpu.layers.quant import (
     INT4_GROUP_SIZE,
     dequantize,
     pack,
@@ -29,6 +28,7 @@ from ringserve.gpu.quant import (
     quantize_codes,
     quantized_linear,
 )
+from ringserve.gpu.native import panel as panel_native
 from ringserve.sampling_params import SamplingParams
 
 

@@ -1,4 +1,4 @@
-"""Rope variants (ringserve.gpu.rotary) against transformers: inverse frequencies and attention
+"""Rope variants (ringserve.gpu.layers.rotary) against transformers: inverse frequencies and attention
 factors equal `ROPE_INIT_FUNCTIONS` bit for bit, for configs in the old `rope_scaling` form and
 in transformers 5's saved `rope_parameters` form; the cos/sin table equals transformers' rotary
 embedding, also step by step past the original context for dynamic and longrope; partial rotary
@@ -17,7 +17,7 @@ import torch
 from gpu_helpers import make_runner
 from runner_driver import ToyScheduler
 
-from ringserve.gpu.rotary import RotaryEmbedding, rope_frequencies, rope_parameters
+from ringserve.gpu.layers.rotary import RotaryEmbedding, rope_frequencies, rope_parameters
 from ringserve.sampling_params import SamplingParams
 
 SHAPE: dict[str, Any] = dict(

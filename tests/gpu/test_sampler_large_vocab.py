@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 import torch
 
-from ringserve.gpu.request_state import RequestTable
-from ringserve.gpu.sampler import Sampler, SamplerOutput
-from ringserve.gpu.sampling_metadata import SamplingMetadata, build_sampling_metadata
-from ringserve.gpu.sampling_ops import SMALL_K, apply_top_k_top_p
+from ringserve.gpu.runner.request_state import RequestTable
+from ringserve.gpu.sample.sampler import Sampler, SamplerOutput
+from ringserve.gpu.sample.sampling_metadata import SamplingMetadata, build_sampling_metadata
+from ringserve.gpu.sample.sampling_ops import SMALL_K, apply_top_k_top_p
 from ringserve.gpu.wire import NewRequestData
 from ringserve.sampling_params import SamplingParams
 

@@ -1,4 +1,4 @@
-"""A weight update into the standby model (`ringserve.gpu.standby_model`): the round is loaded
+"""A weight update into the standby model (`ringserve.gpu.weights.standby`): the round is loaded
 straight into a second, processed model that is swapped in at `finish`; the serving model is
 never written, so every failed round leaves it as it was. Driven through the real shm transport
 (`TrainerWeightTransferEngine`) with the worker's `WeightUpdater` as the engine."""
@@ -17,10 +17,10 @@ from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM
 
 from ringserve.engine.arg_utils import EngineArgs
-from ringserve.gpu.model_runner import ModelRunner
-from ringserve.gpu.panel_native import load_library
-from ringserve.gpu.standby_model import standby_unsupported
-from ringserve.gpu.weight_update import WeightUpdateError, WeightUpdater, weight_checksum
+from ringserve.gpu.native.panel import load_library
+from ringserve.gpu.runner.model_runner import ModelRunner
+from ringserve.gpu.weights.standby import standby_unsupported
+from ringserve.gpu.weights.update import WeightUpdateError, WeightUpdater, weight_checksum
 from ringserve.weight_transfer import StateDictSource, TrainerWeightTransferEngine
 
 SHM = {"backend": "shm", "bucket_bytes": 1 << 20}  # several buckets per round

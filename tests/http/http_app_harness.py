@@ -15,7 +15,7 @@ import openai
 from starlette.applications import Starlette
 
 from ringserve import EngineArgs
-from ringserve.engine.async_llm import AsyncLLM
+from ringserve.engine.frontend.async_llm import AsyncLLM
 from ringserve.http.app import build_app
 from ringserve.http.settings import ServerState, ServeSettings
 

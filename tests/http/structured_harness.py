@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from ringserve.engine.async_llm import AsyncLLM
+from ringserve.engine.frontend.async_llm import AsyncLLM
 from ringserve.outputs import CompletionOutput, RequestOutput
 from ringserve.sampling_params import RequestOutputKind, SamplingParams
 

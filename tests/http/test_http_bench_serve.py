@@ -21,14 +21,14 @@ import httpx
 import pytest
 from test_http_server import LiveServer
 
-from ringserve.http.bench_serve import BenchConfig, build_parser, random_dataset, run_benchmark
-from ringserve.http.bench_serve_metrics import (
+from ringserve.bench.serve import BenchConfig, build_parser, random_dataset, run_benchmark
+from ringserve.bench.serve_metrics import (
     check_token_counts,
     compute_metrics,
     format_report,
     percentile,
 )
-from ringserve.http.bench_serve_request import RequestOutput, SampleRequest
+from ringserve.bench.serve_request import RequestOutput, SampleRequest
 
 TRANSFORMERS_FIELDS = {"model", "prompt", "temperature", "max_tokens", "stream",
                        "stream_options", "generation_config", "seed"}

@@ -15,7 +15,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from starlette.requests import Request
 from starlette.types import Receive, Scope, Send
 
-from ringserve.engine.async_llm import AsyncLLM
+from ringserve.engine.frontend.async_llm import AsyncLLM
 from ringserve.http.app import RootPathMiddleware, build_app
 from ringserve.http.settings import ServerState, ServeSettings
 

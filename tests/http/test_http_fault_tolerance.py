@@ -15,8 +15,8 @@ import pytest
 import trio
 from http_app_harness import MODEL, Served, error_of, serving, sse_events
 
-from ringserve.engine.async_llm import AsyncLLM
-from ringserve.engine.fault_tolerance import EngineFaultState, FaultStatusReport
+from ringserve.engine.frontend.async_llm import AsyncLLM
+from ringserve.engine.frontend.fault_tolerance import EngineFaultState, FaultStatusReport
 from ringserve.http.settings import ServeSettings
 
 SETTINGS = ServeSettings(served_model_name=MODEL, admin_api_key="sk-admin")

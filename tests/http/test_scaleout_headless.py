@@ -27,8 +27,8 @@ import zmq
 from test_http_server import ADMIN_KEY, SERVE, SMALL_FLAGS, LiveServer, _auth, _free_port
 from test_scaleout_server import _body, _metric, _stream_text
 
-from ringserve.engine.cluster_auth import ClusterAuth
-from ringserve.engine.cluster_wire import JoinReply, JoinRequest
+from ringserve.engine.cluster.auth import ClusterAuth
+from ringserve.engine.cluster.wire import JoinReply, JoinRequest
 
 pytestmark = pytest.mark.slow
 

@@ -7,8 +7,8 @@ import json
 
 import pytest
 
-from ringserve.shm import bench
-from ringserve.shm.bench_peers import MAX_PAYLOAD, touch
+from ringserve.bench import ipc as bench
+from ringserve.bench.ipc_peers import MAX_PAYLOAD, touch
 
 
 def test_aggregate_takes_median_and_range_per_figure() -> None:

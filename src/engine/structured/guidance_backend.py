@@ -27,7 +27,7 @@ import torch
 if TYPE_CHECKING:
     from llguidance._lib import JsonCompileOptions
 
-from ringserve.engine.structured.validation import load_schema
+from ringserve.engine.structured.schema import load_schema
 from ringserve.sampling_params import StructuredOutputsParams
 
 __all__ = ["GuidanceBackend", "GuidanceMatcher", "guidance_grammar"]

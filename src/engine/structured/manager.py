@@ -149,8 +149,8 @@ class StructuredOutputManager:
         self._reasoning: tuple[int, int] | None = None  # (start, end) token ids
 
     def _load_backend(self) -> Any:
-        from ringserve.engine.llm_engine import load_tokenizer
         from ringserve.engine.structured.backend import create_backend
+        from ringserve.tokenizer import load_tokenizer
 
         tokenizer = load_tokenizer(self.config)
         if tokenizer is None:

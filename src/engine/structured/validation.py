@@ -10,40 +10,18 @@ lookup. The backends' modules are imported on first use (importing xgrammar take
 
 from __future__ import annotations
 
-import json
 import threading
 from collections import OrderedDict
 from typing import Any
 
 from ringserve.sampling_params import StructuredOutputsParams
 
-__all__ = ["check_structured_outputs", "load_schema"]
+__all__ = ["check_structured_outputs"]
 
 # Distinct (backend, constraint) results remembered.
 _CACHE_SIZE = 512
 _cache: OrderedDict[tuple[Any, ...], str | None] = OrderedDict()
 _lock = threading.Lock()
-
-
-def load_schema(params: StructuredOutputsParams) -> Any:
-    """The JSON schema of a json / json_object constraint, as a Python value.
-
-    Raises:
-        ValueError: `json` is text that is not JSON, or not an object or a boolean.
-    """
-    if params.kind == "json_object":
-        return {"type": "object"}
-    value = params.json
-    if isinstance(value, str):
-        try:
-            value = json.loads(value)
-        except ValueError as exc:
-            raise ValueError(f"structured_outputs.json: invalid JSON schema: not JSON: {exc}"
-                             ) from None
-    if not isinstance(value, dict | bool):
-        raise ValueError(f"structured_outputs.json: invalid JSON schema: got "
-                         f"{type(value).__name__}, allowed: an object or a boolean")
-    return value
 
 
 def _check(params: StructuredOutputsParams, backend: str) -> None:

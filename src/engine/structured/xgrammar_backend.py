@@ -25,7 +25,7 @@ from typing import Any
 import torch
 import xgrammar as xgr
 
-from ringserve.engine.structured.validation import load_schema
+from ringserve.engine.structured.schema import load_schema
 from ringserve.sampling_params import StructuredOutputsParams
 
 __all__ = ["XgrammarBackend", "XgrammarMatcher", "xgrammar_grammar"]

@@ -32,15 +32,16 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ringserve.gpu import native_build
 from ringserve.gpu.attention import torch_ref
 from ringserve.gpu.attention.metadata import AttentionMetadata
+from ringserve.gpu.native import build as native_build
 
 logger = logging.getLogger(__name__)
 
-_SOURCE = Path(__file__).with_name("cpu_decode.c")
-HEADERS = (Path(__file__).with_name("cpu_decode.h"),
-           Path(__file__).parent.parent / "fast_exp.h")
+# The C sources of every CPU kernel live together in `ringserve.gpu.native`.
+_NATIVE = Path(native_build.__file__).parent
+_SOURCE = _NATIVE / "cpu_decode.c"
+HEADERS = (_NATIVE / "cpu_decode.h", _NATIVE / "fast_exp.h")
 _SYMBOL = "ringserve_paged_decode_f32"
 
 # The kernel's ctypes function: (pointers and sizes as in cpu_decode.c) -> status.

@@ -1,4 +1,4 @@
-"""Attention metadata for one flat, unpadded batch (built by `ringserve.gpu.input_prep`).
+"""Attention metadata for one flat, unpadded batch (built by `ringserve.gpu.runner.input_prep`).
 
 A step's batch is the concatenation of every scheduled request's new tokens (prefill chunks and
 single decode tokens mixed). Request `i` owns query rows `query_start_loc[i]:query_start_loc[i+1]`;

@@ -1,6 +1,6 @@
 """The torch reference for paged attention: the CPU path and the oracle for the Triton kernels.
 
-KV cache layout (one tensor per layer, allocated by `ringserve.gpu.kv_cache`):
+KV cache layout (one tensor per layer, allocated by `ringserve.gpu.runner.kv_cache`):
 `[2, num_blocks, block_size, num_kv_heads, head_dim]`; index 0 holds keys, 1 values. Token `p`
 of a request lives in block `block_table[p // block_size]` at offset `p % block_size`, i.e. in
 flat slot `block_id * block_size + offset` of the `[num_blocks * block_size, heads, dim]` view.

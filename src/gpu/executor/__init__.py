@@ -1,5 +1,5 @@
 """Executors: how an engine core drives its workers (in-process, worker processes, Ray).
 
-`Executor.get_class(parallel_config)` picks one; the engine core only sees the `Executor`
+`select.executor_class(config)` picks one; the engine core only sees the `Executor`
 interface in `base.py`.
 """

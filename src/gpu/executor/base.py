@@ -39,24 +39,6 @@ class Executor(ABC):
         for callback in self._failure_callbacks:
             callback(error)
 
-    @staticmethod
-    def get_class(config: EngineConfig) -> type[Executor]:
-        """The executor class for `parallel_config.distributed_executor_backend`."""
-        backend = config.parallel_config.distributed_executor_backend
-        if backend == "uni":
-            from ringserve.gpu.executor.uniproc import UniProcExecutor
-
-            return UniProcExecutor
-        if backend == "mp":
-            from ringserve.gpu.executor.multiproc import MultiprocExecutor
-
-            return MultiprocExecutor
-        if backend == "ray":
-            from ringserve.gpu.executor.ray_executor import RayExecutor
-
-            return RayExecutor
-        raise ValueError(f"distributed_executor_backend {backend!r} is unknown; use uni, mp or ray")
-
     @property
     def max_concurrent_batches(self) -> int:
         """Steps the core may keep in flight: 2 with async scheduling, else 1."""

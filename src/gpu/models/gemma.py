@@ -30,12 +30,12 @@ from torch import nn
 from ringserve.config import ModelConfig
 from ringserve.gpu.attention.backend import AttentionBackend
 from ringserve.gpu.attention.metadata import AttentionMetadata
+from ringserve.gpu.layers.norm import RMSNorm
+from ringserve.gpu.layers.parallel import TPGroup
+from ringserve.gpu.layers.rotary import RotaryEmbedding, rope_parameters
+from ringserve.gpu.layers.vocab_embedding import VocabParallelEmbedding
 from ringserve.gpu.models.llama import DecoderStack, LlamaAttention, LlamaForCausalLM, LlamaMLP
 from ringserve.gpu.models.spec import DecoderSpec
-from ringserve.gpu.norm import RMSNorm
-from ringserve.gpu.parallel import TPGroup
-from ringserve.gpu.rotary import RotaryEmbedding, rope_parameters
-from ringserve.gpu.vocab_embedding import VocabParallelEmbedding
 
 GemmaFamily = Literal["gemma2", "gemma3"]
 SLIDING, FULL = "sliding_attention", "full_attention"

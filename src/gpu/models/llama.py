@@ -2,7 +2,7 @@
 
 Module names mirror transformers' (`model.layers.N.self_attn...`) so checkpoint names map onto
 them; q/k/v and gate/up are fused into one column-parallel projection each (`PACKED` says how
-checkpoint names map onto the fused shards). The loader (`ringserve.gpu.loader`) builds a model
+checkpoint names map onto the fused shards). The loader (`ringserve.gpu.weights.loader`) builds a model
 from the registry and calls `load_weights`; the model runner calls `forward` on a flat batch
 and `compute_logits` on the rows it samples. Submodules are called through `.forward(...)` so
 the types stay precise (torch's `Module.__call__` returns Any); no hooks are used here.
@@ -20,12 +20,12 @@ from torch import nn
 from ringserve.config import ModelConfig
 from ringserve.gpu.attention.backend import AttentionBackend
 from ringserve.gpu.attention.metadata import AttentionMetadata
-from ringserve.gpu.linear import ColumnParallelLinear, RowParallelLinear
+from ringserve.gpu.layers.linear import ColumnParallelLinear, RowParallelLinear
+from ringserve.gpu.layers.norm import RMSNorm
+from ringserve.gpu.layers.parallel import TPGroup
+from ringserve.gpu.layers.rotary import RotaryEmbedding
+from ringserve.gpu.layers.vocab_embedding import ParallelLMHead, VocabParallelEmbedding
 from ringserve.gpu.models.spec import DecoderSpec
-from ringserve.gpu.norm import RMSNorm
-from ringserve.gpu.parallel import TPGroup
-from ringserve.gpu.rotary import RotaryEmbedding
-from ringserve.gpu.vocab_embedding import ParallelLMHead, VocabParallelEmbedding
 
 # checkpoint sub-module name -> (fused module name, shard index)
 PACKED: dict[str, tuple[str, int]] = {
@@ -262,7 +262,7 @@ class LlamaForCausalLM(nn.Module):
 
     def process_weights_after_loading(self) -> None:
         """Repack the loaded weights for the device's fastest GEMM (oneDNN on CPU; see
-        `ringserve.gpu.linear`). The loader calls this once, after `load_weights`."""
+        `ringserve.gpu.layers.linear`). The loader calls this once, after `load_weights`."""
         for module in self.modules():
             if isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
                 module.process_weights_after_loading()

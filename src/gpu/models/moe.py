@@ -29,7 +29,8 @@ from torch import nn
 
 from ringserve.config import ModelConfig
 from ringserve.gpu.attention.backend import AttentionBackend
-from ringserve.gpu.linear import check_shape
+from ringserve.gpu.layers.linear import check_shape
+from ringserve.gpu.layers.parallel import TPGroup
 from ringserve.gpu.models.llama import (
     DecoderStack,
     FeedForward,
@@ -41,7 +42,6 @@ from ringserve.gpu.models.spec import DecoderSpec
 from ringserve.gpu.moe.dispatch import ep_group
 from ringserve.gpu.moe.layer import FusedMoE
 from ringserve.gpu.moe.router import select_experts
-from ringserve.gpu.parallel import TPGroup
 from ringserve.moe_shape import MoeShape
 
 _CANONICAL = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}  # Mixtral's expert names

@@ -2,11 +2,11 @@
 
 Phi-3 checkpoints store q/k/v as one `qkv_proj` and gate/up as one `gate_up_proj` tensor.
 ringserve fuses the same projections, but each rank holds its own slice of every part (see
-`ringserve.gpu.linear.ColumnParallelLinear`), so a fused checkpoint tensor is first split into
+`ringserve.gpu.layers.linear.ColumnParallelLinear`), so a fused checkpoint tensor is first split into
 its parts (q, k, v; gate, up) and each part is then sharded for the rank like a separate
 checkpoint tensor. Everything else is Llama's: the config's `sliding_window` (Phi-3-mini-4k:
 2047) applies to every layer, and the rope variants (longrope with short / long factors,
-partial rotary for Phi-4-mini) are `ringserve.gpu.rotary`'s. Registered in
+partial rotary for Phi-4-mini) are `ringserve.gpu.layers.rotary`'s. Registered in
 `ringserve.gpu.models.registry`.
 """
 
@@ -18,9 +18,9 @@ import torch
 
 from ringserve.config import ModelConfig
 from ringserve.gpu.attention.backend import AttentionBackend
+from ringserve.gpu.layers.parallel import TPGroup
 from ringserve.gpu.models.llama import LlamaForCausalLM
 from ringserve.gpu.models.spec import DecoderSpec
-from ringserve.gpu.parallel import TPGroup
 
 
 class Phi3ForCausalLM(LlamaForCausalLM):

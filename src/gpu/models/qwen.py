@@ -8,9 +8,9 @@ from __future__ import annotations
 
 from ringserve.config import ModelConfig
 from ringserve.gpu.attention.backend import AttentionBackend
+from ringserve.gpu.layers.parallel import TPGroup
 from ringserve.gpu.models.llama import LlamaForCausalLM
 from ringserve.gpu.models.spec import DecoderSpec
-from ringserve.gpu.parallel import TPGroup
 
 
 def _refuse_layer_windows(config: ModelConfig) -> None:

@@ -1,6 +1,6 @@
 """Architecture name (config.json `architectures`) -> model class.
 
-The loader (`ringserve.gpu.loader`) asks here for the class of a model directory's
+The loader (`ringserve.gpu.weights.loader`) asks here for the class of a model directory's
 architecture; an unknown one fails with the list of supported architectures.
 """
 

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from ringserve.config import ModelConfig
-from ringserve.gpu.rotary import rope_parameters
+from ringserve.gpu.layers.rotary import rope_parameters
 
 TORCH_DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -31,7 +31,7 @@ class DecoderSpec:
         head_dim: the model's shape (full, before tensor-parallel sharding).
         rms_norm_eps: RMSNorm epsilon.
         max_position: the rope table length.
-        rope: rope settings (see `ringserve.gpu.rotary.rope_parameters`).
+        rope: rope settings (see `ringserve.gpu.layers.rotary.rope_parameters`).
         qkv_bias: q/k/v projections have biases (Qwen2, Llama with attention_bias).
         qk_norm: per-head RMSNorm on queries and keys before rope (Qwen3).
         mlp_bias: the MLP projections have biases.

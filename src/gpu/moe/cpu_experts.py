@@ -1,7 +1,7 @@
 """The SwiGLU experts of an MoE layer on CPU through the project's C kernel (`moe_cpu.c`).
 
 `PackedExperts` owns the experts' weights in the panel layout of the CPU matmul library
-(`ringserve.gpu.panel_native`, `panel.h`): float32, or int8 / int4 (`ringserve.gpu.quant`),
+(`ringserve.gpu.native.panel`, `panel.h`): float32, or int8 / int4 (`ringserve.gpu.layers.quant`),
 packed once from the stacked weights `w13` [E, 2I, H] (gate rows, then up rows) and `w2`
 [E, H, I] the layer holds, with the C views of all experts prebuilt so that a call builds
 nothing per expert. `forward` takes the rows already grouped by expert (`grouped.sort_by_expert`)
@@ -22,8 +22,9 @@ import ctypes
 
 import torch
 
-from ringserve.gpu import panel_native, quant
-from ringserve.gpu.panel_native import PanelWeight, RsWeight
+from ringserve.gpu.layers import quant
+from ringserve.gpu.native import panel as panel_native
+from ringserve.gpu.native.panel import PanelWeight, RsWeight
 
 
 def available() -> bool:
@@ -91,7 +92,7 @@ class PackedExperts:
             w13: [E, 2I, H] gate and up projections (any float dtype, CPU).
             w2: [E, H, I] down projections.
             quantization: None for float32 panels, or "int8" / "int4" (weight-only, as
-                `ringserve.gpu.quant`; int4 needs H and I in multiples of 32).
+                `ringserve.gpu.layers.quant`; int4 needs H and I in multiples of 32).
 
         Raises:
             ValueError: wrong shapes or dtypes, an unknown quantization, or int4 with H or I

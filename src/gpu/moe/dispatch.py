@@ -26,7 +26,7 @@ import torch
 from torch.distributed import AllToAllOptions
 
 from ringserve.config import ParallelConfig
-from ringserve.gpu.parallel import TPGroup, connect_store, gloo_group
+from ringserve.gpu.layers.parallel import TPGroup, connect_store, gloo_group
 
 
 @dataclass(frozen=True)
@@ -112,7 +112,7 @@ def init_ep_group(parallel: ParallelConfig, tp: TPGroup, backend: str,
 
     With one engine core the EP group is the TP group itself; with several (a lockstep
     deployment) it is a standalone group of every core's workers, meeting in the frontend's
-    TCPStore (`ringserve.gpu.parallel.serve_store`), rank dp_rank * tp_size + tp_rank, in the
+    TCPStore (`ringserve.gpu.layers.parallel.serve_store`), rank dp_rank * tp_size + tp_rank, in the
     deployment's current epoch (a retry after a fault rebuilds the group in the next one);
     its collectives give up on a silent peer after `timeout_s`.
 
@@ -128,7 +128,7 @@ def init_ep_group(parallel: ParallelConfig, tp: TPGroup, backend: str,
         raise ValueError("expert parallelism across engine cores runs over gloo (CPU) only "
                          "so far")
     store = connect_store(parallel.data_parallel_master_port)
-    epoch = int(store.get("ringserve/epoch").decode())  # see ringserve.engine.dp_wave
+    epoch = int(store.get("ringserve/epoch").decode())  # see ringserve.engine.core.dp_wave
     rank = parallel.data_parallel_rank * tp.world_size + tp.rank
     return EPGroup(rank=rank, world_size=size,
                    group=gloo_group(store, f"ringserve/ep/{epoch}", rank, size, timeout_s),

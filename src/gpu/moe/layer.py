@@ -21,10 +21,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ringserve.gpu.linear import check_shape
+from ringserve.gpu.layers.linear import check_shape
+from ringserve.gpu.layers.parallel import TPGroup
 from ringserve.gpu.moe import cpu_experts, grouped
 from ringserve.gpu.moe.dispatch import EPGroup
-from ringserve.gpu.parallel import TPGroup
 
 # checkpoint leaf name -> (which matrix, shard index within w13)
 EXPERT_LEAVES: dict[str, tuple[str, int]] = {

@@ -15,8 +15,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from ringserve import EngineArgs, SamplingParams
 from ringserve.config import EngineConfig
-from ringserve.engine.input_processor import TokensPrompt
-from ringserve.engine.llm import LLM
+from ringserve.engine.frontend.input_processor import TokensPrompt
+from ringserve.engine.frontend.llm import LLM
 from ringserve.engine.metrics.expert_load import ExpertLoadPuller, imbalance
 from ringserve.engine.metrics.metrics_reader import Counter, Metric
 from ringserve.engine.metrics.stat_loggers import LoggingStatLogger, StatLoggerManager

@@ -13,8 +13,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from ringserve import EngineArgs, RequestOutputKind, SamplingParams
 from ringserve.config import EngineConfig
-from ringserve.engine.async_llm import AsyncLLM
-from ringserve.engine.llm_engine import LLMEngine
+from ringserve.engine.frontend.async_llm import AsyncLLM
+from ringserve.engine.frontend.llm_engine import LLMEngine
 from ringserve.engine.metrics.flops import ModelFlops
 from ringserve.engine.metrics.metrics_reader import Counter, Gauge, Histogram, Metric
 from ringserve.engine.metrics.stat_loggers import LoggingStatLogger

@@ -14,8 +14,8 @@ import pytest
 import trio
 
 from ringserve import EngineArgs, RequestOutputKind, SamplingParams, StructuredOutputsParams
-from ringserve.engine.async_llm import AsyncLLM
-from ringserve.engine.llm import LLM
+from ringserve.engine.frontend.async_llm import AsyncLLM
+from ringserve.engine.frontend.llm import LLM
 
 pytestmark = pytest.mark.slow
 

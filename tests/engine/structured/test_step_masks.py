@@ -12,7 +12,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from ringserve import EngineArgs, SamplingParams, StructuredOutputsParams
-from ringserve.engine.core import EngineCore
+from ringserve.engine.core.engine_core import EngineCore
 from ringserve.engine.structured.backend import allocate_bitmask
 from ringserve.engine.structured.xgrammar_backend import XgrammarBackend
 from ringserve.engine.wire import EngineCoreRequest

@@ -1,0 +1,31 @@
+"""What a checkpoint may be: the architectures, dtypes, load formats and weight-only
+quantization methods ringserve serves.
+
+A leaf: the checkpoint readers (`ringserve.checkpoint.model_dir`) and the engine's config
+(`ringserve.config`, which re-exports these) both read it, so neither imports the other for them.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+DType = Literal["float32", "bfloat16", "float16"]
+
+SUPPORTED_ARCHITECTURES: tuple[str, ...] = (
+    "LlamaForCausalLM",
+    "MistralForCausalLM",
+    "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM",
+    "Gemma2ForCausalLM",
+    "Gemma3ForCausalLM",
+    "Gemma3ForConditionalGeneration",  # served as text only
+    "Phi3ForCausalLM",
+    "Qwen3MoeForCausalLM",
+    "Qwen2MoeForCausalLM",
+    "MixtralForCausalLM",
+)
+
+
+LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
+# Weight-only quantization of the linear layers at load (ringserve.gpu.layers.quant); CPU only.
+QUANTIZATION_METHODS = ("int8", "int4")
