@@ -50,8 +50,11 @@ def import_graph(src: Path = SRC) -> dict[str, set[str]]:
                     origin = ".".join([*base, node.module] if node.module else base)
                 else:
                     origin = node.module or ""
-                # `from pkg import module` imports the module; `from module import name` the module
-                names = [f"{origin}.{alias.name}" for alias in node.names] + [origin]
+                # `from pkg import module` is an edge to the module, `from module import name` to
+                # the module; a package's `__init__` that Python runs first on the way to any of
+                # its modules is not counted (it would tie every module to what it re-exports).
+                names = [f"{origin}.{alias.name}" if f"{origin}.{alias.name}" in modules
+                         else origin for alias in node.names]
             for name in names:
                 target = _resolve(name, modules)
                 if target is not None and target != module:

@@ -8,7 +8,8 @@ weight update, the weight version, the world size, a description of the server a
     GET  /is_paused                                         {"is_paused": bool}
     POST /init_weight_transfer_engine  {"init_info": {...}}
                                                    {"message": "Weight transfer initialized"}
-    POST /start_weight_update  [{"metadata": {...}}]   {"message": "Weight update started"}
+    POST /start_weight_update  [{"metadata": {...}, "is_checkpoint_format": true}]
+                                                      {"message": "Weight update started"}
     POST /update_weights       {"update_info": {...}}  {"message": "Weights updated"}
     POST /finish_weight_update [{"weight_version": ...}]  {"message": "Weight update finished"}
     GET  /weight_info                                       {"weight_version": str | null}
@@ -37,7 +38,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 import ringserve
-from ringserve.engine.frontend.rl_api import check_pause_mode
+from ringserve.engine.frontend.rl_api import check_checkpoint_format, check_pause_mode
 from ringserve.http.context import TOO_DEEP, AppContext
 from ringserve.http.errors import APIError, bad_request
 from ringserve.http.responses import json_response
@@ -90,6 +91,8 @@ class StartBody(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     `{"names", "dtype_names", "shapes"}`, checked against the model before any byte moves."""
 
     metadata: dict[str, Any] | None = None
+    # vLLM's flag: true (its default) is what ringserve does; false is refused by name.
+    is_checkpoint_format: bool = True
 
 
 class UpdateBody(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -244,6 +247,10 @@ class RLRoutes:
     async def start_weight_update(self, request: Request) -> Response:
         """Begin an update; an optional `{"metadata": {"names", "dtype_names", "shapes"}}`."""
         body = await read_params(request, StartBody)
+        try:
+            check_checkpoint_format(body.is_checkpoint_format)
+        except ValueError as exc:
+            raise bad_request(str(exc), "is_checkpoint_format") from None
         await _engine(self.ctx.engine.start_weight_update(_sendable("metadata", body.metadata)))
         return _message("Weight update started")
 

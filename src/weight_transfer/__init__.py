@@ -35,13 +35,16 @@ if TYPE_CHECKING:
         ModuleWeightSource,
         StateDictSource,
         TensorMeta,
+        TensorRecord,
         WeightSource,
         dtype_from_name,
         dtype_name,
         metadata_dict,
+        tensor_metas,
     )
     from ringserve.weight_transfer.trainer import (
         TrainerWeightTransferEngine,
+        VLLMWeightSyncClientProtocol,
         WeightSyncClientProtocol,
     )
 
@@ -53,11 +56,14 @@ _LAZY = {
     "ModuleWeightSource": "source",
     "StateDictSource": "source",
     "TensorMeta": "source",
+    "TensorRecord": "source",
     "WeightSource": "source",
     "dtype_from_name": "source",
     "dtype_name": "source",
     "metadata_dict": "source",
+    "tensor_metas": "source",
     "TrainerWeightTransferEngine": "trainer",
+    "VLLMWeightSyncClientProtocol": "trainer",
     "WeightSyncClientProtocol": "trainer",
 }
 
@@ -66,7 +72,9 @@ __all__ = [
     "SharedWeights",
     "StateDictSource",
     "TensorMeta",
+    "TensorRecord",
     "TrainerWeightTransferEngine",
+    "VLLMWeightSyncClientProtocol",
     "WeightReceiver",
     "WeightSource",
     "WeightSyncClient",
@@ -79,6 +87,7 @@ __all__ = [
     "make_receiver",
     "metadata_dict",
     "parse_weight_transfer_config",
+    "tensor_metas",
 ]
 
 

@@ -94,7 +94,9 @@ def take(bucket: BucketPlan, tensors: Iterator[tuple[str, torch.Tensor]]
             raise ValueError(f"the weight source yielded {got[0]!r} ({got[1]}, shape "
                              f"{list(got[2])}) where its metadata announced {meta.name!r} "
                              f"({meta.dtype}, shape {list(meta.shape)})")
-        items.append((meta, offset, tensor))
+        # A trainer's own source may yield its live parameters: copying one that requires
+        # grad would record the copy for autograd.
+        items.append((meta, offset, tensor.detach()))
     return items
 
 

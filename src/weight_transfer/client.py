@@ -70,8 +70,29 @@ class WeightSyncClient:
         """``POST /init_weight_transfer_engine``: open the channel."""
         return self._request("POST", "/init_weight_transfer_engine", {"init_info": init_info})
 
-    def start_weight_update(self, metadata: dict[str, Any] | None = None) -> Any:
-        """``POST /start_weight_update``: begin a round (`metadata` checked by the engine)."""
+    def start_weight_update(self, metadata: dict[str, Any] | None = None, *,
+                            is_checkpoint_format: bool = True) -> Any:
+        """``POST /start_weight_update``: begin a round (`metadata` checked by the engine).
+
+        Args:
+            metadata: ``{"names", "dtype_names", "shapes"}`` of the round's tensors.
+            is_checkpoint_format: vLLM's flag. True, its default, is what ringserve does with
+                every round (checkpoint names and layouts, through the model's loader), so
+                it is not sent.
+
+        Raises:
+            ValueError: `is_checkpoint_format` False (vLLM's weights already in the
+                kernel's layout), or `metadata` not a dict; before any request.
+        """
+        if is_checkpoint_format is not True:
+            raise ValueError("is_checkpoint_format=False (weights already in the engine's "
+                             "kernel layout) is not supported: ringserve loads every round "
+                             "from checkpoint (Hugging Face) names and layouts through the "
+                             "model's loader; send those")
+        if metadata is not None and not isinstance(metadata, dict):
+            raise ValueError(f"metadata must be a dict {{\"names\", \"dtype_names\", "
+                             f"\"shapes\"}} or None, got {metadata!r} (vLLM's "
+                             f"is_checkpoint_format goes by keyword)")
         body = None if metadata is None else {"metadata": metadata}
         return self._request("POST", "/start_weight_update", body)
 

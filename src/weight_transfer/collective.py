@@ -1,10 +1,12 @@
 """The ``gloo`` and ``nccl`` transports: each bucket packed into one flat buffer and broadcast
 from the trainer to every engine worker over a process group of their own.
 
-The group is standalone: the trainer (rank 0) and every receiving worker (ranks 1..N, rank
-``worker_index + 1``) build it directly from a ``torch.distributed.TCPStore`` the trainer
-serves (``ProcessGroupGloo`` / ``ProcessGroupNCCL``, never ``init_process_group``: the
-workers' default group is their tensor-parallel one and stays untouched). ``init_info`` names
+The group is standalone: the trainer (rank 0) and every receiving worker (ranks
+``rank_offset`` .. ``rank_offset + N - 1``, rank ``rank_offset + worker_index``, as in vLLM's
+NCCL backend; a `TrainerWeightTransferEngine` sends ``rank_offset`` 1) build it directly from
+a ``torch.distributed.TCPStore`` the trainer serves (``ProcessGroupGloo`` /
+``ProcessGroupNCCL``, never ``init_process_group``: the workers' default group is their
+tensor-parallel one and stays untouched). ``init_info`` names
 the store; ``update_info`` describes one packed bucket (schema: ``messages``).
 
 Every member must take part in a collective at once, so the trainer overlaps its side with
@@ -138,7 +140,8 @@ class CollectiveSender:
             raise WeightTransportError(
                 f"cannot serve the {self.backend} group's TCPStore at "
                 f"{self.options.master_address}:{self.options.master_port}: {exc}") from exc
-        info = CollectiveInitInfo(self.options.master_address, store.port, self.world_size)
+        info = CollectiveInitInfo(self.options.master_address, store.port, self.world_size,
+                                  rank_offset=1)
         joining = BackgroundCall(
             lambda: _new_group(self.backend, store, 0, self.world_size, self.timeout_s),
             "weight-transfer-join")
@@ -216,9 +219,12 @@ class CollectiveSender:
 class CollectiveReceiver:
     """A worker's membership of the trainer's group and its receive buffer.
 
+    Its rank is ``rank_offset + worker_index``: the trainer's ranks come first (rank 0
+    broadcasts), then the engine's workers, as vLLM's trainer scripts lay the group out.
+
     Raises:
-        ValueError: bad ``init_info``, a world size that does not match the engine's workers,
-            or nccl without CUDA.
+        ValueError: bad ``init_info``, a world size that is not the trainer's ranks
+            (``rank_offset``) plus the engine's workers, or nccl without CUDA.
         WeightTransportError: the store or the group could not be joined within `timeout_s`.
     """
 
@@ -227,10 +233,15 @@ class CollectiveReceiver:
         info = decode(CollectiveInitInfo, init_info, "init_info", backend)
         if not 0 <= worker_index < num_workers:
             raise ValueError(f"worker_index {worker_index} is not in [0, {num_workers})")
-        if info.world_size != num_workers + 1:
+        # Exact, not at least: a rank nobody takes would make every member's join wait out
+        # its timeout, where a miscount is cheap to name now.
+        expected = info.rank_offset + num_workers
+        if info.world_size != expected:
+            trainer = ("the trainer" if info.rank_offset == 1 else
+                       f"the trainer's {info.rank_offset} ranks (rank_offset)")
             raise ValueError(f"init_info for the {backend} backend: world_size "
-                             f"{info.world_size}, but the trainer and this engine's "
-                             f"{num_workers} workers make {num_workers + 1}")
+                             f"{info.world_size}, but {trainer} and this engine's "
+                             f"{num_workers} workers make {expected}")
         self.backend = backend
         self.device = collective_device(backend)
         self.timeout_s = timeout_s
@@ -240,8 +251,9 @@ class CollectiveReceiver:
             self._store: TCPStore | None = TCPStore(
                 info.master_address, info.master_port, info.world_size, is_master=False,
                 timeout=timedelta(seconds=timeout_s))
-            self._group: Any = _new_group(backend, self._store, worker_index + 1,
-                                          info.world_size, timeout_s)
+            self._group: Any = _new_group(backend, self._store,
+                                          info.rank_offset + worker_index, info.world_size,
+                                          timeout_s)
         except Exception as exc:
             raise WeightTransportError(f"could not join the trainer's {backend} group at "
                                        f"{address} within {timeout_s:g} s: {exc}") from exc

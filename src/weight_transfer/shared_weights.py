@@ -32,6 +32,7 @@ import torch
 
 from ringserve.shm.segment import Segment
 from ringserve.weight_transfer.buckets import ALIGN, align_up, typed_view
+from ringserve.weight_transfer.segments import create_segment
 from ringserve.weight_transfer.source import ModuleWeightSource, TensorMeta, tensor_meta
 
 
@@ -51,8 +52,6 @@ class SharedWeights:
 
     def __init__(self, module: torch.nn.Module, *,
                  names: Callable[[str], str | None] | None = None) -> None:
-        from ringserve.weight_transfer.shm_transport import create_segment
-
         self._source = ModuleWeightSource(module, names=names)
         params: list[tuple[str, torch.nn.Parameter]] = []
         seen: set[int] = set()

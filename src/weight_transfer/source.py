@@ -3,9 +3,11 @@
 A :class:`WeightSource` says which tensors a round carries (:meth:`~WeightSource.metadata`,
 cheap: names, dtypes and shapes, nothing materialised) and yields them one at a time
 (``__iter__``, re-iterable, in the metadata's order). :class:`ModuleWeightSource` wraps a
-``torch.nn.Module``'s parameters, :class:`StateDictSource` a mapping of tensors. The
-`TrainerWeightTransferEngine` packs what a source yields into buckets; `metadata_dict` is the
-``start_weight_update`` body the engine checks against its model.
+``torch.nn.Module``'s parameters, :class:`StateDictSource` a mapping of tensors; a trainer's
+own source may describe its tensors with any record of ``name``, ``shape`` and ``dtype``
+(vLLM's ``ParamMeta``, a named tuple, a dict), which :func:`tensor_metas` reads into
+`TensorMeta`. The `TrainerWeightTransferEngine` packs what a source yields into buckets;
+`metadata_dict` is the ``start_weight_update`` body the engine checks against its model.
 
 Dtype names are torch's without the ``torch.`` prefix ("float32", "bfloat16", ...): the
 spelling vLLM's weight-transfer metadata uses.
@@ -13,7 +15,8 @@ spelling vLLM's weight-transfer metadata uses.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping
+import operator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any, Protocol, runtime_checkable
 
 import msgspec
@@ -83,12 +86,29 @@ def tensor_meta(name: str, tensor: torch.Tensor) -> TensorMeta:
     return TensorMeta(name, dtype_name(tensor.dtype), tuple(int(d) for d in tensor.shape))
 
 
+class TensorRecord(Protocol):
+    """What a source's `metadata` may describe a tensor with: `TensorMeta`, vLLM's
+    ``ParamMeta``, a named tuple or dataclass of these three fields. ``dtype`` is a
+    ``torch.dtype`` or its name ("bfloat16", "torch.bfloat16")."""
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def shape(self) -> Iterable[int]: ...
+
+    @property
+    def dtype(self) -> torch.dtype | str: ...
+
+
 @runtime_checkable
 class WeightSource(Protocol):
     """Named tensors for a trainer to send."""
 
-    def metadata(self) -> list[TensorMeta]:
-        """Every tensor a round sends, in iteration order; cheap, materialises nothing."""
+    def metadata(self) -> Iterable[TensorRecord | Mapping[str, Any]]:
+        """Every tensor a round sends, in iteration order; cheap, materialises nothing.
+        Each entry has a ``name``, a ``shape`` and a ``dtype`` (see `TensorRecord`; a dict
+        with those keys also does)."""
         ...
 
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
@@ -145,6 +165,82 @@ class StateDictSource:
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
         for name, tensor in self.tensors.items():
             yield name, _to_cpu(tensor)
+
+
+_FIELDS = ("name", "shape", "dtype")
+
+
+def _field(record: object, field: str, label: str) -> Any:
+    if isinstance(record, Mapping):
+        if field in record:
+            return record[field]
+    elif hasattr(record, field):
+        return getattr(record, field)
+    raise TypeError(f"{label} ({type(record).__name__}) has no {field!r}: each entry needs "
+                    f"{', '.join(_FIELDS)}")
+
+
+def _record_dtype(value: object, label: str) -> str:
+    if isinstance(value, torch.dtype):
+        name = _NAMES.get(value)
+    elif isinstance(value, str):
+        # str(torch.bfloat16) is "torch.bfloat16": the spelling a trainer most often has.
+        name = value.removeprefix("torch.") if value.removeprefix("torch.") in _DTYPES else None
+    else:
+        raise TypeError(f"{label}.dtype must be a torch.dtype or its name such as "
+                        f"'bfloat16', got {type(value).__name__} {value!r}")
+    if name is None:
+        raise TypeError(f"{label}.dtype {value!r} cannot be sent; allowed: "
+                        f"{', '.join(_DTYPES)}")
+    return name
+
+
+def _record_shape(value: object, label: str) -> tuple[int, ...]:
+    # A string is iterable but never a shape; bools are ints to Python but not to a shape.
+    if isinstance(value, str | bytes) or not isinstance(value, Iterable):
+        raise TypeError(f"{label}.shape must be a sequence of ints (a torch.Size, tuple or "
+                        f"list), got {type(value).__name__} {value!r}")
+    dims: list[int] = []
+    for dim in value:
+        try:
+            if isinstance(dim, bool):
+                raise TypeError
+            size = operator.index(dim)
+        except TypeError:
+            raise TypeError(f"{label}.shape {value!r}: dimension {dim!r} is not an int") from None
+        if size < 0:
+            raise TypeError(f"{label}.shape {value!r}: dimension {size} is negative")
+        dims.append(size)
+    return tuple(dims)
+
+
+def tensor_metas(records: object) -> list[TensorMeta]:
+    """A source's `metadata()` as `TensorMeta` (checked, in order).
+
+    Args:
+        records: an iterable of `TensorRecord` (vLLM's ``ParamMeta``, a named tuple, a
+            dataclass, `TensorMeta`) or of dicts with the keys ``name``, ``shape`` and
+            ``dtype``.
+
+    Raises:
+        TypeError: `records` is not iterable, or an entry lacks a field or has a bad one;
+            the message names the entry (``metadata()[3] ('lm_head.weight')``) and the
+            field.
+    """
+    if isinstance(records, str | bytes | Mapping) or not isinstance(records, Iterable):
+        raise TypeError(f"metadata() must return a list of records with {', '.join(_FIELDS)}, "
+                        f"got {type(records).__name__}")
+    metas: list[TensorMeta] = []
+    for index, record in enumerate(records):
+        label = f"metadata()[{index}]"
+        name = _field(record, "name", label)
+        if not isinstance(name, str):
+            raise TypeError(f"{label}.name must be a str, got {type(name).__name__} {name!r}")
+        label = f"{label} ({name!r})"
+        shape = _record_shape(_field(record, "shape", label), label)
+        dtype = _record_dtype(_field(record, "dtype", label), label)
+        metas.append(TensorMeta(name, dtype, shape))
+    return metas
 
 
 def metadata_dict(metas: list[TensorMeta]) -> dict[str, Any]:

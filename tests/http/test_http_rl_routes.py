@@ -213,6 +213,13 @@ async def test_weight_routes_without_weight_transfer(tiny_llama_dir: Path) -> No
         assert (await refused("/start_weight_update", json={"metadata": "x"}))["param"] == \
             "metadata"
         assert (await refused("/start_weight_update", json={"names": []}))["param"] == "names"
+        # vLLM's flag: true (its default) is taken and the call reaches the engine; false is
+        # refused by name before it does.
+        error = await refused("/start_weight_update", json={"is_checkpoint_format": True})
+        assert "--weight-transfer-config" in error["message"], error
+        error = await refused("/start_weight_update", json={"is_checkpoint_format": False})
+        assert error["param"] == "is_checkpoint_format", error
+        assert error["message"].startswith("is_checkpoint_format: got False, allowed: true")
         assert (await refused("/finish_weight_update?weight_version=v2"))["param"] == \
             "weight_version"
         assert (await s.http.get("/weight_info", headers=ADMIN)).json() == {"weight_version": None}

@@ -9,12 +9,18 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import sys
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 from wt_peer import Peer, peer_main
 
 from ringserve.shm.segment import SHM_DIR, creator_pid
+
+# test_wt_vllm_loop.py trains and checks with test_weight_sync's helpers (tests/engine);
+# appended, so that nothing there shadows a module of this directory.
+sys.path.append(str(Path(__file__).resolve().parent.parent / "engine"))
 
 PEERS = 2
 

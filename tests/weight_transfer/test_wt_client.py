@@ -91,6 +91,20 @@ def test_weight_sync_routes_and_bodies(server: tuple[str, Recorder]) -> None:
     assert recorder.requests[0]["content_type"] == "application/json"
 
 
+def test_vllms_is_checkpoint_format(server: tuple[str, Recorder]) -> None:
+    """True is what ringserve does (nothing more to send); False, and the flag in metadata's
+    place, are refused before a request."""
+    url, recorder = server
+    client = WeightSyncClient(url)
+    client.start_weight_update(is_checkpoint_format=True)
+    with pytest.raises(ValueError, match=r"is_checkpoint_format=False .* is not supported"):
+        client.start_weight_update(is_checkpoint_format=False)
+    with pytest.raises(ValueError, match="is_checkpoint_format goes by keyword"):
+        client.start_weight_update(True)  # type: ignore[arg-type]
+    assert [(r["path"], r["body"]) for r in recorder.requests] == [
+        ("/start_weight_update", None)]
+
+
 def test_control_routes(server: tuple[str, Recorder]) -> None:
     url, recorder = server
     client = WeightSyncClient(url)

@@ -31,8 +31,10 @@ def test_rounds_over_two_workers() -> None:
     with TrainerWeightTransferEngine(CONFIG, engine, timeout_s=10) as trainer:
         trainer.trainer_init(StateDictSource(tensors))
         (init_info,) = engine.init_infos
-        assert set(init_info) == {"master_address", "master_port", "world_size"}
+        # vLLM's NCCLWeightTransferInitInfo fields, so a vLLM-shaped receiver reads it too.
+        assert set(init_info) == {"master_address", "master_port", "rank_offset", "world_size"}
         assert init_info["world_size"] == 3 and init_info["master_port"] > 0
+        assert init_info["rank_offset"] == 1
         for round_ in range(1, 3):
             assert trainer.send_weights() == str(round_)
             assert engine.received[-1] == source_digests(tensors)

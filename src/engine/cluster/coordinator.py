@@ -69,7 +69,11 @@ class Coordinator:
             sock.bind(addr)
         self.loads = [[0, 0] for _ in range(data_parallel_size)]
         self.heard = [0.0] * data_parallel_size
-        self.seq = 0
+        # From the host's monotonic clock, not 0: a frontend takes only reports newer than the
+        # last it took, so a restarted coordinator counting from 0 again was ignored until it
+        # had published as many reports as its predecessor (it publishes far less than once a
+        # nanosecond, so it starts past any seq its predecessor on this host reached).
+        self.seq = time.monotonic_ns()
         self._decoder = msgspec.msgpack.Decoder(EngineLoad)
         self._encoder = msgspec.msgpack.Encoder()
 

@@ -78,7 +78,8 @@ class LoadReport(msgspec.Struct, array_like=True, gc=False):
     """Every core's queue lengths (coordinator -> frontends).
 
     Attributes:
-        seq: increases with every report (a frontend ignores an older one).
+        seq: increases with every report, also across a restart of the coordinator (a
+            frontend ignores an older one).
         loads: per engine index, [waiting, running] (zeros for one never heard from).
         age_s: per engine, seconds since its last report reached the coordinator.
     """

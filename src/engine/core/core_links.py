@@ -217,7 +217,11 @@ class ClientLinks:
                         if self.up[client] and now - sent >= beat:
                             self._send(client, socks[client], heartbeat)
                             last_sent[client] = now
-                    wait = max(0.0, min(last_sent) + beat - now)
+                    # Only links that are up have a beat due: a gone frontend's last send
+                    # (or this thread's start) is long past, and counting it made the wait 0,
+                    # a spin until it came back. Its beats count from its hello.
+                    due = [sent for client, sent in enumerate(last_sent) if self.up[client]]
+                    wait = max(0.0, min(due) + beat - now) if due else None
                 try:
                     item = output_queue.get(timeout=wait)
                 except queue.Empty:
@@ -228,6 +232,7 @@ class ClientLinks:
                 start = clock()
                 if isinstance(message, _Hello):
                     self._hello(socks[target], encoder)
+                    last_sent[target] = time.monotonic()
                     continue
                 if isinstance(message, HandshakeReply):
                     self.handshake = message

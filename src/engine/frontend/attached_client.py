@@ -84,7 +84,8 @@ class AttachedMPClient(DPLBAsyncMPClient):
         self._load_sock: zmq.Socket[Any] | None = None
         super().__init__(config)
         self.pids = [0] * self.num_engines
-        self.last_seen = [time.monotonic()] * self.num_engines
+        # When each core was last heard from; set once every core has greeted (`_start_cores`).
+        self.last_seen = [0.0] * self.num_engines
         self.load_seq = -1
         self._on_core_death: Callable[[int, str], None] | None = None
         # Handshakes of cores beyond num_engines (started by an elastic scale-up, not yet
@@ -150,6 +151,11 @@ class AttachedMPClient(DPLBAsyncMPClient):
             replies[reply.engine_index] = reply
         for index, reply in replies.items():
             self.pids[index] = reply.pid
+        # Silence is counted from here, never from this frontend's start: a headless host may
+        # join minutes after the head (its core would be "silent" since then and called lost
+        # at once), and the beats of the cores that greeted earlier were not read while this
+        # waited for the others.
+        self.last_seen[:] = [time.monotonic()] * self.num_engines
         self.num_blocks = replies[self.num_engines - 1].num_blocks
 
     def _unexpected_handshake(self, reply: HandshakeReply) -> None:

@@ -51,6 +51,20 @@ def check_pause_mode(mode: object) -> str:
     return str(mode)
 
 
+
+def check_checkpoint_format(is_checkpoint_format: object) -> None:
+    """vLLM's `start_weight_update(is_checkpoint_format=...)`: True (its default) says the
+    trainer sends tensors in the checkpoint's layout and names, which is what ringserve's
+    loader takes; False (tensors already in the engine's kernel layout) has no meaning here.
+
+    Raises:
+        ValueError: anything but True, naming the field.
+    """
+    if is_checkpoint_format is not True:
+        raise ValueError(f"is_checkpoint_format: got {is_checkpoint_format!r}, allowed: true "
+                         "(ringserve loads the trainer's tensors in the checkpoint's layout "
+                         "through the model's loader; a kernel-layout update is not supported)")
+
 class SyncRLMethods:
     """For `LLM` (its `llm_engine` calls the engine core's utilities)."""
 
@@ -80,9 +94,15 @@ class SyncRLMethods:
         `weight_transfer_config`)."""
         self._utility("init_weight_transfer_engine", init_info)
 
-    def start_weight_update(self, metadata: dict[str, Any] | None = None) -> None:
+    def start_weight_update(self, metadata: dict[str, Any] | None = None, *,
+                            is_checkpoint_format: bool = True) -> None:
         """Begin a weight update; `metadata` (`{"names", "dtype_names", "shapes"}`) is
-        checked against the model before any byte is copied."""
+        checked against the model before any byte is copied.
+
+        Raises:
+            ValueError: `is_checkpoint_format=False` (see `check_checkpoint_format`).
+        """
+        check_checkpoint_format(is_checkpoint_format)
         self._utility("start_weight_update", metadata)
 
     def update_weights(self, update_info: dict[str, Any]) -> None:
@@ -149,8 +169,10 @@ class AsyncRLMethods:
         """See `SyncRLMethods.init_weight_transfer_engine` (every core)."""
         await self.call_utility("init_weight_transfer_engine", init_info)
 
-    async def start_weight_update(self, metadata: dict[str, Any] | None = None) -> None:
+    async def start_weight_update(self, metadata: dict[str, Any] | None = None, *,
+                                  is_checkpoint_format: bool = True) -> None:
         """See `SyncRLMethods.start_weight_update` (every core)."""
+        check_checkpoint_format(is_checkpoint_format)
         await self.call_utility("start_weight_update", metadata)
 
     async def update_weights(self, update_info: dict[str, Any]) -> None:

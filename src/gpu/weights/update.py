@@ -204,8 +204,14 @@ class WeightUpdater:
         staging copy repacked into the serving model (False); None before the first round."""
         return None if self._target is None else self._target.standby
 
-    def init(self, init_info: dict[str, Any], worker_index: int, num_workers: int) -> None:
+    def init(self, init_info: dict[str, Any], first_worker: int, num_workers: int) -> None:
         """Open the transport channel (once; again to re-initialize).
+
+        Args:
+            init_info: the trainer's, for the transport.
+            first_worker: the index of this engine's TP rank 0 among every receiving worker
+                (``engine_index * tp_size``); every TP rank is sent the same.
+            num_workers: the receiving workers of every engine.
 
         Raises:
             WeightUpdateError: no transport is configured, or `init_info` is refused.
@@ -220,7 +226,9 @@ class WeightUpdater:
         self.abort()
         self.close()
         try:
-            self._receiver = make_receiver(transfer, init_info, worker_index=worker_index,
+            # Each TP rank is its own member of a gloo / nccl group: one index (one rank) each.
+            self._receiver = make_receiver(transfer, init_info,
+                                           worker_index=first_worker + self.tp.rank,
                                            num_workers=num_workers, timeout_s=self.timeout_s)
         except Exception as exc:
             raise WeightUpdateError(f"init_weight_transfer_engine: {exc}") from exc
