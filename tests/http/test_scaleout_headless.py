@@ -102,17 +102,21 @@ def pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[LiveServer,
         _stop(headless)
 
 
+async def _successes_after_twelve(client: httpx.AsyncClient, prefix: str) -> list[float]:
+    """Send 12 concurrent completions; each engine's `request_success_total` after them."""
+    async with trio.open_nursery() as nursery:
+        for i in range(12):
+            nursery.start_soon(partial(client.post, "/v1/completions",
+                                       json=_body(f"{prefix}{i}", 6, False)))
+    scraped = (await client.get("/metrics")).text
+    return [_metric(scraped, f'ringserve:request_success_total{{engine="{e}"') for e in "01"]
+
+
 async def test_requests_reach_the_engine_on_the_other_host(
         pair: tuple[LiveServer, Any, int]) -> None:
     head, _, _ = pair
     async with httpx.AsyncClient(base_url=head.url, timeout=60) as client:
-        async with trio.open_nursery() as nursery:
-            for i in range(12):
-                nursery.start_soon(partial(client.post, "/v1/completions",
-                                           json=_body(f"p{i}", 6, False)))
-        scraped = (await client.get("/metrics")).text
-    per_engine = [_metric(scraped, f'ringserve:request_success_total{{engine="{e}"')
-                  for e in "01"]
+        per_engine = await _successes_after_twelve(client, "p")
     assert sum(per_engine) == 12 and min(per_engine) > 0, per_engine
 
 
@@ -236,13 +240,7 @@ async def _healthy_and_serving_on_both(head: LiveServer) -> None:
         while trio.current_time() < end:
             assert await states() == ["healthy", "healthy"], head.output()[-4000:]
             await trio.sleep(0.2)
-        async with trio.open_nursery() as nursery:
-            for i in range(12):
-                nursery.start_soon(partial(client.post, "/v1/completions",
-                                           json=_body(f"late{i}", 6, False)))
-        scraped = (await client.get("/metrics")).text
-    per_engine = [_metric(scraped, f'ringserve:request_success_total{{engine="{e}"')
-                  for e in "01"]
+        per_engine = await _successes_after_twelve(client, "late")
     assert sum(per_engine) == 12 and min(per_engine) > 0, per_engine
     assert "silent" not in head.output()
 
