@@ -6,12 +6,15 @@ reads the flags: generation routes answer 503 while draining (or before the engi
 and count themselves in `state.in_flight` until their response has been sent (a stream until
 its last event or its client's disconnect), so the drain can wait on `state.idle`.
 
-Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /health,
+Routes: POST /v1/completions, POST /v1/chat/completions, the agents' routes of
+`ringserve.http.agents` (POST /v1/responses and its GET / DELETE / cancel / input_items,
+POST /v1/messages and /v1/messages/count_tokens), GET /v1/models, GET /health,
 GET /version, GET /metrics, POST /tokenize, POST /detokenize, the control routes of
 `ringserve.http.admin`, the RL trainer's of `ringserve.http.rl_routes` (pause / resume,
 weight updates) and those of `ringserve.http.fault_tolerance` (all with the admin key).
 `/health` is 503 while the engine starts, drains, is dead or any core recovers from a fault.
-Every error is OpenAI's error body (`ringserve.http.errors`); keys are
+Every error is OpenAI's error body (`ringserve.http.errors`), Anthropic's on the Messages
+routes (`render_error`); keys are
 checked by `ringserve.http.auth`; bodies over `max_request_body_bytes` get 413
 (`ringserve.http.body_limit`). Outermost, as in vLLM: the `--root-path` prefix becomes the
 ASGI root_path (the router then serves `/PREFIX/v1/...` and, from a proxy that strips it,
@@ -23,7 +26,7 @@ lists every served name; `/metrics` names its families by `--metrics-prefix`.
 from __future__ import annotations
 
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Mapping
 
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.applications import Starlette
@@ -38,12 +41,21 @@ import ringserve
 from ringserve.engine.frontend.async_llm import AsyncLLM
 from ringserve.engine.metrics.prometheus import prefixed_registry
 from ringserve.http.admin import ADMIN_PATHS, Admin
-from ringserve.http.auth import AuthMiddleware
+from ringserve.http.agents.messages_errors import anthropic_response, is_messages_path
+from ringserve.http.agents.messages_route import Messages
+from ringserve.http.agents.responses_route import Responses
+from ringserve.http.auth import AuthMiddleware, route_path
 from ringserve.http.body_limit import BodyLimitMiddleware
 from ringserve.http.chat import Chat
 from ringserve.http.completions import Completions
-from ringserve.http.context import AppContext
-from ringserve.http.errors import EXCEPTION_HANDLERS, APIError, error_from_exception
+from ringserve.http.context import AppContext, Endpoint
+from ringserve.http.errors import (
+    EXCEPTION_HANDLERS,
+    APIError,
+    ErrorRenderer,
+    error_from_exception,
+    openai_error_response,
+)
 from ringserve.http.fault_tolerance import FAULT_TOLERANCE_PATHS, FaultTolerance
 from ringserve.http.responses import ModelCard, ModelList, json_response
 from ringserve.http.rl_routes import RL_PATHS, RLRoutes
@@ -53,7 +65,6 @@ from ringserve.http.tokenize import Tokenization
 
 logger = logging.getLogger(__name__)
 
-Endpoint = Callable[[Request], Awaitable[Response]]
 
 OPEN_PATHS = ("/health", "/version", "/metrics")
 
@@ -77,9 +88,19 @@ class RootPathMiddleware:
         await self.app(scope, receive, send)
 
 
-def _guard(ctx: AppContext, handler: Endpoint, *, generation: bool = False) -> Endpoint:
-    """Map engine and validation errors to responses; for generation routes also refuse new
-    work while draining and keep the in-flight count until the response is done."""
+def render_error(path: str, error: APIError, headers: Mapping[str, str] | None = None) -> Response:
+    """An error in the shape of the route it answers: Anthropic's on the Messages routes,
+    OpenAI's everywhere else (`path` as the router matches it)."""
+    if is_messages_path(path):
+        return anthropic_response(error, headers)
+    return openai_error_response(path, error, headers)
+
+
+def _guard(ctx: AppContext, handler: Endpoint, *, generation: bool = False,
+           render: ErrorRenderer = openai_error_response) -> Endpoint:
+    """Map engine and validation errors to responses (in the shape `render` gives); for
+    generation routes also refuse new work while draining and keep the in-flight count until
+    the response is done."""
 
     async def endpoint(request: Request) -> Response:
         handed_off = False
@@ -99,7 +120,7 @@ def _guard(ctx: AppContext, handler: Endpoint, *, generation: bool = False) -> E
             error = error_from_exception(exc)
             if error is None:
                 raise  # a bug: Starlette answers 500 and logs it
-            response = error.response()
+            response = render(route_path(request.scope), error, None)
         if ctx.settings.enable_log_requests:
             logger.info("%s %s -> %d", request.method, request.url.path, response.status_code)
         return response
@@ -154,14 +175,21 @@ def build_app(engine: AsyncLLM, settings: ServeSettings, state: ServerState) -> 
         Route("/metrics", metrics, methods=["GET"]),
         Route("/tokenize", _guard(ctx, tokenization.tokenize), methods=["POST"]),
         Route("/detokenize", _guard(ctx, tokenization.detokenize), methods=["POST"]),
+        *Responses(ctx).routes(
+            lambda handler, generation=False: _guard(ctx, handler, generation=generation)),
+        *Messages(ctx).routes(
+            lambda handler, generation=False: _guard(ctx, handler, generation=generation,
+                                                     render=render_error)),
         *Admin(ctx).routes(lambda handler: _guard(ctx, handler)),
         *RLRoutes(ctx).routes(lambda handler: _guard(ctx, handler)),
         *FaultTolerance(ctx).routes(lambda handler: _guard(ctx, handler)),
     ]
     auth = Middleware(AuthMiddleware, api_key=settings.api_key,
                       admin_api_key=settings.admin_api_key, open_paths=OPEN_PATHS,
-                      admin_paths=(*ADMIN_PATHS, *RL_PATHS, *FAULT_TOLERANCE_PATHS))
-    limit = Middleware(BodyLimitMiddleware, limit=settings.max_request_body_bytes)
+                      admin_paths=(*ADMIN_PATHS, *RL_PATHS, *FAULT_TOLERANCE_PATHS),
+                      render=render_error)
+    limit = Middleware(BodyLimitMiddleware, limit=settings.max_request_body_bytes,
+                       render=render_error)
     cors = Middleware(CORSMiddleware, allow_origins=settings.allowed_origins,
                       allow_methods=settings.allowed_methods,
                       allow_headers=settings.allowed_headers,

@@ -1,4 +1,4 @@
-"""The request-body size limit (`--max-request-body-bytes`): 413 in OpenAI's error shape.
+"""The request-body size limit (`--max-request-body-bytes`): 413 in the path's error shape.
 
 A declared Content-Length over the limit is refused before the route runs; a body without
 one (chunked, HTTP/2) is counted as it is read, and the read fails with an APIError 413 that
@@ -11,7 +11,8 @@ from __future__ import annotations
 from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from ringserve.http.errors import APIError
+from ringserve.http.auth import route_path
+from ringserve.http.errors import APIError, ErrorRenderer, openai_error_response
 
 
 def _too_large(limit: int) -> APIError:
@@ -21,9 +22,11 @@ def _too_large(limit: int) -> APIError:
 class BodyLimitMiddleware:
     """Refuses request bodies over `limit` bytes."""
 
-    def __init__(self, app: ASGIApp, *, limit: int) -> None:
+    def __init__(self, app: ASGIApp, *, limit: int,
+                 render: ErrorRenderer = openai_error_response) -> None:
         self.app = app
         self.limit = limit
+        self.render = render
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -31,7 +34,8 @@ class BodyLimitMiddleware:
             return
         declared = Headers(scope=scope).get("content-length")
         if declared is not None and declared.isdigit() and int(declared) > self.limit:
-            await _too_large(self.limit).response()(scope, receive, send)
+            await self.render(route_path(scope), _too_large(self.limit), None)(scope, receive,
+                                                                               send)
             return
         received = 0
 

@@ -20,6 +20,7 @@ import time
 from starlette.requests import Request
 from starlette.responses import Response
 
+from ringserve.config import ModelConfig
 from ringserve.http.chat_output import ChatOutputPlan, ChoiceOutput
 from ringserve.http.chat_template import conversation_of, render_chat
 from ringserve.http.context import AppContext, request_id_of
@@ -69,7 +70,7 @@ class Chat:
         config = ctx.engine.config
         job = make_job(f"chatcmpl-{request_id_of(request, req.request_id)}",
                        {"prompt_token_ids": token_ids, "prompt": text},
-                       self._params(req, tools), req, config.model_config)
+                       chat_params(req, tools, config.model_config), req, config.model_config)
         check_admission(ctx.engine, [job])
         plan = ChatOutputPlan(config.structured_outputs_config.reasoning_parser, tools, text)
         echo = ""
@@ -81,21 +82,9 @@ class Chat:
             return SSEResponse(lambda emit: self._stream(req, job, plan, echo, emit))
         return await self._full(request, req, job, plan, echo)
 
-    def _params(self, req: ChatCompletionRequest, tools: ToolPlan) -> SamplingParams:
-        num_logprobs = None
-        if req.logprobs:
-            num_logprobs = req.top_logprobs or 0
-        elif req.top_logprobs:
-            raise bad_request("top_logprobs: only with logprobs=true", "top_logprobs")
-        max_tokens = (req.max_completion_tokens if req.max_completion_tokens is not None
-                      else req.max_tokens)
-        constraint = tools.constraint or structured_outputs_of(req)
-        params = build_params(req, self.ctx.engine.config.model_config, max_tokens=max_tokens,
-                              logprobs=num_logprobs, prompt_logprobs=req.prompt_logprobs,
-                              structured_outputs=constraint)
-        if tools.needs_special_tokens and params.skip_special_tokens:
-            params = params.clone(skip_special_tokens=False)  # the markup is a special token
-        return params
+    def _cached(self, cached_tokens: int) -> int | None:
+        """The usage's cached tokens, when `--enable-prompt-tokens-details` asks for them."""
+        return cached_tokens if self.ctx.settings.enable_prompt_tokens_details else None
 
     def _logprobs(self, req: ChatCompletionRequest, out: CompletionOutput) -> ChatLogprobs | None:
         if not req.logprobs or out.logprobs is None:
@@ -119,7 +108,8 @@ class Chat:
         return json_response(ChatCompletionResponse(
             id=job.request_id, created=int(time.time()),
             model=self.ctx.response_model(req.model), choices=choices,
-            usage=usage(job.num_prompt_tokens, completion_tokens),
+            usage=usage(job.num_prompt_tokens, completion_tokens,
+                        self._cached(output.num_cached_tokens)),
             prompt_logprobs=(prompt_logprobs(output.prompt_logprobs)
                              if req.prompt_logprobs is not None else None)))
 
@@ -141,13 +131,15 @@ class Chat:
         created = int(time.time())
         model = self.ctx.response_model(req.model)
         completion_tokens = 0
+        cached_tokens = 0
         parsers: dict[int, ChoiceOutput] = {}
 
         def chunk(choice: ChatStreamChoice | None) -> ChatCompletionChunk:
             return ChatCompletionChunk(
                 id=job.request_id, created=created, model=model,
                 choices=[] if choice is None else [choice],
-                usage=(usage(job.num_prompt_tokens, completion_tokens)
+                usage=(usage(job.num_prompt_tokens, completion_tokens,
+                             self._cached(cached_tokens))
                        if req.continuous_usage else None))
 
         for index in range(job.params.n):
@@ -157,7 +149,8 @@ class Chat:
                 await emit(chunk(ChatStreamChoice(index=index, delta=DeltaMessage(content=echo))))
 
         async def send(_: int, output: RequestOutput) -> None:
-            nonlocal completion_tokens
+            nonlocal completion_tokens, cached_tokens
+            cached_tokens = max(cached_tokens, output.num_cached_tokens)
             for out in output.outputs:
                 if not (out.text or out.token_ids or out.finish_reason):
                     continue
@@ -182,4 +175,29 @@ class Chat:
         if req.include_usage:
             await emit(ChatCompletionChunk(id=job.request_id, created=created, model=model,
                                            choices=[],
-                                           usage=usage(job.num_prompt_tokens, completion_tokens)))
+                                           usage=usage(job.num_prompt_tokens, completion_tokens,
+                                                       self._cached(cached_tokens))))
+
+
+def chat_params(req: ChatCompletionRequest, tools: ToolPlan,
+                model_config: ModelConfig) -> SamplingParams:
+    """A chat request's SamplingParams: its sampling fields, logprobs, and the constraint its
+    tool plan or response format asks for (also what the agents' routes run, translated).
+
+    Raises:
+        APIError, ValueError: a field is invalid (the message names it).
+    """
+    num_logprobs = None
+    if req.logprobs:
+        num_logprobs = req.top_logprobs or 0
+    elif req.top_logprobs:
+        raise bad_request("top_logprobs: only with logprobs=true", "top_logprobs")
+    max_tokens = (req.max_completion_tokens if req.max_completion_tokens is not None
+                  else req.max_tokens)
+    constraint = tools.constraint or structured_outputs_of(req)
+    params = build_params(req, model_config, max_tokens=max_tokens,
+                          logprobs=num_logprobs, prompt_logprobs=req.prompt_logprobs,
+                          structured_outputs=constraint)
+    if tools.needs_special_tokens and params.skip_special_tokens:
+        params = params.clone(skip_special_tokens=False)  # the markup is a special token
+    return params

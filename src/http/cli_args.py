@@ -87,6 +87,18 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--metrics-prefix", default=_DEFAULTS.metrics_prefix,
                        help="prefix of the metric families on /metrics; vllm exposes vllm:... "
                             "for existing dashboards and autoscalers (default: ringserve)")
+    group.add_argument("--enable-prompt-tokens-details", action="store_true",
+                       help="chat and completions usage carries "
+                            "prompt_tokens_details.cached_tokens (the prefix-cache hit)")
+    group.add_argument("--responses-store-max-entries", type=int,
+                       default=_DEFAULTS.responses_store_max_entries,
+                       help="most responses /v1/responses stores for previous_response_id "
+                            "and GET (least recently used evicted; 0 stores none; default: "
+                            f"{_DEFAULTS.responses_store_max_entries})")
+    group.add_argument("--responses-store-ttl", type=float,
+                       default=_DEFAULTS.responses_store_ttl,
+                       help="seconds a stored response is kept after its last use "
+                            f"(default: {_DEFAULTS.responses_store_ttl:g})")
     group.add_argument("--config", metavar="FILE",
                        help="read flags from a YAML file (keys: long flag names); flags on "
                             "the command line win")
@@ -128,6 +140,12 @@ def check_serve_args(ns: argparse.Namespace) -> None:
     if ns.enable_auto_tool_choice and ns.tool_call_parser is None:
         raise ValueError("--enable-auto-tool-choice needs --tool-call-parser (allowed: "
                          f"{', '.join(sorted(TOOL_PARSERS))})")
+    if ns.responses_store_max_entries < 0:
+        raise ValueError(f"--responses-store-max-entries: got {ns.responses_store_max_entries},"
+                         " allowed: an integer >= 0")
+    if not (math.isfinite(ns.responses_store_ttl) and ns.responses_store_ttl > 0):
+        raise ValueError(f"--responses-store-ttl: got {ns.responses_store_ttl}, allowed: "
+                         "seconds > 0")
     root_path(ns.root_path)
     if hasattr(ns, "api_server_count"):  # the scale-out flags are there (`ringserve serve`)
         from ringserve.http.cluster_args import check_cluster_args
@@ -192,6 +210,9 @@ def settings_from_args(ns: argparse.Namespace, engine_config: EngineConfig) -> S
         allowed_headers=_flat(ns.allowed_headers),
         allow_credentials=ns.allow_credentials,
         metrics_prefix=ns.metrics_prefix,
+        enable_prompt_tokens_details=ns.enable_prompt_tokens_details,
+        responses_store_max_entries=ns.responses_store_max_entries,
+        responses_store_ttl=ns.responses_store_ttl,
     )
 
 

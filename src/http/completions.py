@@ -49,6 +49,7 @@ class _Stream:
     """Per-request streaming state."""
 
     choices: dict[int, _Choice] = field(default_factory=dict)
+    cached: dict[int, int] = field(default_factory=dict)  # prompt index -> cached tokens
 
     def completion_tokens(self) -> int:
         return sum(c.num_tokens for c in self.choices.values())
@@ -93,6 +94,10 @@ class Completions:
             jobs.append(make_job(f"{base_id}-{i}", tokens, params, req,
                                  ctx.engine.config.model_config))
         return jobs
+
+    def _cached(self, cached_tokens: int) -> int | None:
+        """The usage's cached tokens, when `--enable-prompt-tokens-details` asks for them."""
+        return cached_tokens if self.ctx.settings.enable_prompt_tokens_details else None
 
     def _prompt_text(self, output: RequestOutput) -> str:
         if output.prompt is not None:
@@ -147,10 +152,11 @@ class Completions:
                 choices.append(self._choice(req, output, out, i * n + out.index, True, 0)[0])
                 completion_tokens += len(out.token_ids)
         prompt_tokens = sum(job.num_prompt_tokens for job in jobs)
+        cached = sum(output.num_cached_tokens for output in finals.values())
         return json_response(CompletionResponse(
             id=base_id, created=int(time.time()), model=self.ctx.response_model(req.model),
             choices=sorted(choices, key=lambda c: c.index),
-            usage=usage(prompt_tokens, completion_tokens)))
+            usage=usage(prompt_tokens, completion_tokens, self._cached(cached))))
 
     async def _stream(self, req: CompletionRequest, base_id: str, jobs: list[Job],
                       emit: Emit) -> None:
@@ -161,6 +167,7 @@ class Completions:
         state = _Stream()
 
         async def send(index: int, output: RequestOutput) -> None:
+            state.cached[index] = max(state.cached.get(index, 0), output.num_cached_tokens)
             for out in output.outputs:
                 choice_state = state.choices.setdefault(index * n + out.index, _Choice())
                 if not (out.text or out.token_ids or out.finish_reason
@@ -173,12 +180,14 @@ class Completions:
                 choice_state.num_tokens += len(out.token_ids)
                 await emit(CompletionResponse(
                     id=base_id, created=created, model=model, choices=[choice],
-                    usage=(usage(prompt_tokens, state.completion_tokens())
+                    usage=(usage(prompt_tokens, state.completion_tokens(),
+                                 self._cached(sum(state.cached.values())))
                            if req.continuous_usage else None)))
 
         await run_jobs(self.ctx.engine, jobs, send)
         if req.include_usage:
             await emit(CompletionResponse(
                 id=base_id, created=created, model=model, choices=[],
-                usage=usage(prompt_tokens, state.completion_tokens())))
+                usage=usage(prompt_tokens, state.completion_tokens(),
+                            self._cached(sum(state.cached.values())))))
 

@@ -12,18 +12,30 @@ from __future__ import annotations
 
 import time
 import uuid
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import msgspec
 import trio
 from starlette.requests import Request
+from starlette.responses import Response
 
 from ringserve.engine.frontend.async_llm import AsyncLLM
 from ringserve.http.errors import APIError, bad_request, error_from_exception
 from ringserve.http.settings import ServerState, ServeSettings
 
 T = TypeVar("T")
+
+Endpoint = Callable[[Request], Awaitable[Response]]
+
+
+class Guard(Protocol):
+    """The app's wrapper of a route's endpoint: engine and validation errors mapped to
+    responses and, for a generation route (`generation=True`), new work refused while
+    draining and the request counted in flight until its response is done."""
+
+    def __call__(self, handler: Endpoint, generation: bool = False) -> Endpoint: ...
 
 TOO_DEEP = "Invalid request body: JSON nested too deeply"
 

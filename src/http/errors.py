@@ -11,7 +11,7 @@ error chunk of a stream. `EXCEPTION_HANDLERS` is what `build_app` installs in St
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from http import HTTPStatus
 from typing import Any
 
@@ -85,6 +85,17 @@ class APIError(Exception):
         """A JSON response carrying this error."""
         return Response(msgspec.json.encode(self.body()), status_code=self.status,
                         headers=headers, media_type="application/json")
+
+
+ErrorRenderer = Callable[[str, APIError, Mapping[str, str] | None], Response]
+"""How an error is answered on a path (as the router matches it): OpenAI's body by default;
+the Messages routes answer Anthropic's (`ringserve.http.agents.messages_errors`)."""
+
+
+def openai_error_response(path: str, error: APIError,
+                          headers: Mapping[str, str] | None = None) -> Response:
+    """The default `ErrorRenderer`: OpenAI's error body on every path."""
+    return error.response(headers)
 
 
 def bad_request(message: str, param: str | None = None) -> APIError:

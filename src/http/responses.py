@@ -29,10 +29,30 @@ class UsageInfo(msgspec.Struct, kw_only=True):
     total_tokens: int = 0
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> UsageInfo:
-    """A UsageInfo with its total."""
-    return UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
-                     total_tokens=prompt_tokens + completion_tokens)
+class PromptTokensDetails(msgspec.Struct, kw_only=True):
+    """`usage.prompt_tokens_details` (vLLM's `--enable-prompt-tokens-details`)."""
+
+    cached_tokens: int = 0
+
+
+class UsageWithDetails(UsageInfo, kw_only=True):
+    """UsageInfo with the prompt's prefix-cache hit (only with the flag, so the usage of a
+    server without it keeps exactly its three fields)."""
+
+    prompt_tokens_details: PromptTokensDetails
+
+
+def usage(prompt_tokens: int, completion_tokens: int,
+          cached_tokens: int | None = None) -> UsageInfo:
+    """A UsageInfo with its total; with `cached_tokens` (the prompt tokens read from the
+    prefix cache) also `prompt_tokens_details`."""
+    total = prompt_tokens + completion_tokens
+    if cached_tokens is None:
+        return UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                         total_tokens=total)
+    return UsageWithDetails(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                            total_tokens=total,
+                            prompt_tokens_details=PromptTokensDetails(cached_tokens=cached_tokens))
 
 
 class WeightVersionOut(msgspec.Struct, kw_only=True):

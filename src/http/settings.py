@@ -43,6 +43,11 @@ class ServeSettings:
         allowed_origins, allowed_methods, allowed_headers, allow_credentials: CORS, with
             vLLM's defaults (any origin, method and header; no credentials).
         metrics_prefix: the prefix of the Prometheus families on /metrics ("vllm": `vllm:...`).
+        enable_prompt_tokens_details: chat and completions usage carries
+            `prompt_tokens_details.cached_tokens` (vLLM's `--enable-prompt-tokens-details`).
+        responses_store_max_entries: the most responses `/v1/responses` keeps (least
+            recently used evicted first).
+        responses_store_ttl: seconds a stored response is kept after its last use.
     """
 
     host: str = "127.0.0.1"
@@ -66,6 +71,9 @@ class ServeSettings:
     allowed_headers: tuple[str, ...] = ("*",)
     allow_credentials: bool = False
     metrics_prefix: str = "ringserve"
+    enable_prompt_tokens_details: bool = False
+    responses_store_max_entries: int = 1000
+    responses_store_ttl: float = 3600.0
 
     @property
     def served_model_names(self) -> tuple[str, ...]:
@@ -82,12 +90,16 @@ class ServerState:
         draining: a shutdown began: new requests get 503, in-flight ones finish.
         in_flight: requests being served now (generation routes).
         idle: set whenever `in_flight` drops to zero (the drain waits on it).
+        background: the nursery of work that outlives its HTTP request (`/v1/responses`
+            with `background: true`); the server sets its root nursery, so a stop cancels
+            it. None: background requests are refused (503).
     """
 
     ready: bool = False
     draining: bool = False
     in_flight: int = 0
     idle: trio.Event = field(default_factory=trio.Event)
+    background: trio.Nursery | None = None
 
     def enter(self) -> None:
         """A generation request starts."""

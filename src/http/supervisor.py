@@ -90,6 +90,7 @@ class Supervisor:
         started = time.monotonic()
         async with trio.open_nursery() as nursery:
             self._root = nursery.cancel_scope
+            background_scope: trio.CancelScope = await nursery.start(self._hold_background)
             signal_scope: trio.CancelScope = await nursery.start(self._watch_signals)
             serve = partial(hypercorn.trio.serve, app, config,
                             shutdown_trigger=self._http_stop.wait)
@@ -103,6 +104,7 @@ class Supervisor:
                         ", ".join(binds), time.monotonic() - started)
             await self._stop_requested.wait()
             await self._drain()
+            background_scope.cancel()  # what the drain did not see finish
             self._http_stop.set()
             self.engine.shutdown()
             signal_scope.cancel()
@@ -153,6 +155,16 @@ class Supervisor:
             self.state.draining = True
             self._drain_timeout = min(self._drain_timeout, _DEAD_DRAIN_S)
             self._stop_requested.set()
+
+    async def _hold_background(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
+        """The nursery of work that outlives its HTTP request (`ServerState.background`);
+        background requests count as in flight, so the drain waits for them."""
+        with trio.CancelScope() as scope:
+            async with trio.open_nursery() as nursery:
+                self.state.background = nursery
+                task_status.started(scope)
+                await trio.sleep_forever()
+        self.state.background = None
 
     def _cancel_all(self) -> None:
         if self._root is not None:

@@ -12,6 +12,7 @@ from typing import Any
 
 import httpx
 import openai
+import trio
 from starlette.applications import Starlette
 
 from ringserve import EngineArgs
@@ -48,14 +49,17 @@ def make_engine(model_dir: Path, executor: str = "null", **kw: Any) -> AsyncLLM:
 @asynccontextmanager
 async def serving(model_dir: Path, executor: str = "null", *, settings: ServeSettings | None = None,
                   **engine_kw: Any) -> AsyncIterator[Served]:
-    """Run an engine and yield the app over it, marked ready."""
-    async with make_engine(model_dir, executor, **engine_kw) as engine:
-        state = ServerState(ready=True)
+    """Run an engine and yield the app over it, marked ready, with a nursery for background
+    responses (as the server's supervisor gives it)."""
+    async with make_engine(model_dir, executor, **engine_kw) as engine, \
+            trio.open_nursery() as background:
+        state = ServerState(ready=True, background=background)
         app = build_app(engine, settings or ServeSettings(served_model_name=MODEL), state)
         transport = httpx.ASGITransport(app=app)
         async with httpx.AsyncClient(transport=transport, base_url=BASE_URL,
                                      timeout=30) as http:
             yield Served(engine, state, app, http)
+        background.cancel_scope.cancel()  # background responses still running
 
 
 def sse_events(body: str) -> list[Any]:
@@ -81,8 +85,6 @@ def error_of(response: httpx.Response, status: int) -> dict[str, Any]:
 
 async def drained(engine: AsyncLLM) -> dict[str, Any]:
     """The core's stats once no request is left in it (fails after ~4 s)."""
-    import trio
-
     for _ in range(200):
         stats = (await engine.call_utility("get_stats"))[0]
         if stats["num_running_reqs"] == 0 and stats["num_waiting_reqs"] == 0:
