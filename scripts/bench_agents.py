@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import itertools
 import json
 import os
 import platform
@@ -304,12 +305,16 @@ def messages_turn(client: httpx.Client, system: str, history: list[dict[str, str
                 usage["output_tokens"], text)
 
 
+# Session numbers: every loop starts with its own system prompt (no cache shared between
+# loops), all of one length in tokens.
+_SESSIONS = itertools.count(secrets.randbelow(10**5) * 10)
+
 TURN_FUNCTIONS = {"chat": chat_turn, "responses": responses_turn, "messages": messages_turn}
 
 
 def run_loop(client: httpx.Client, pid: int, route: str, base_system: str,
              args: argparse.Namespace) -> Loop:
-    system = f"Session {secrets.token_hex(8)}.\n{base_system}"
+    system = f"Session {next(_SESSIONS):06d}.\n{base_system}"
     history: list[dict[str, str]] = []
     loop = Loop(route)
     cpu = cpu_seconds(pid)
