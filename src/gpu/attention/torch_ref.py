@@ -17,8 +17,29 @@ heads * dim]` view) and one SDPA call per group. Groups are runs of decodes sort
 padded to the group's longest sequence with a length mask, and capped so that one group's
 gathered keys and values stay cache-sized: on CPU the gather and SDPA are memory-bound, and a
 32-request gather (16 MB at 500 tokens each) spilled out of cache and cost ~1.5x more than the
-same work in groups of ~4 MB (measured, 1 and 2 threads). Multi-token queries (prefill chunks)
-go request by request.
+same work in groups of ~4 MB (measured, 1 and 2 threads).
+
+Multi-token queries (prefill chunks) go request by request (`_prefill`), always as 4-D
+`[1, heads, rows, dim]` SDPA calls: on CPU torch runs its flash kernel (a blockwise online
+softmax) only on 4-D input; 3-D input takes the math kernel, which materializes
+`[heads, rows, keys]` scores. The flash kernel takes GQA (`enable_gqa`, KV heads not copied)
+and a mask, but its `is_causal` is aligned top-left (row i sees keys 0..i), so only a fresh
+prompt with no window and no soft-cap is a single causal call. A chunk after cached context
+(row j sits at position context + j) or a windowed prompt goes by tiles of `_PREFILL_TILE`
+query rows, each over only the keys its rows see (from its first row's window start to its
+last row) with its own `[rows, keys]` mask: no mask is larger than a tile's, and the keys past
+a tile are skipped as a causal kernel would skip them.
+
+Per layer through `paged_attention`, SmolLM2-135M's shape (9 heads, 3 KV heads, dim 64), 2
+threads, medians of 3 interleaved runs of the old 3-D calls and these (issue 48), in ms,
+float32 / bfloat16: a fresh 512-token prompt 14.3 -> 4.0 / 8.4 -> 1.6; 2,048: 243 -> 33 /
+263 -> 11; 4,096: 948 -> 115 / 1,117 -> 37; 8,000: 4,567 -> 415 / 4,684 -> 130; a 2,048-token
+chunk after 2,048 of context 465 -> 109 / 506 -> 35. At its peak one layer's call on an
+8,000-token prompt took 5.1 GiB more memory, now 47 MiB (float32, 18 MiB of it the result).
+The masks cost a tiled chunk 15-35% over the same tiles unmasked (the 2,048 chunk: 90 vs 78
+ms float32, 34 vs 25 bfloat16); an unmasked call over the context and a causal one over the
+tile, merged by their log-sum-exps, ran 80 / 28 ms, but only torch's private flash op
+(`_scaled_dot_product_flash_attention_for_cpu`) returns those, so it is not used.
 
 Sliding window and logit soft-capping (Mistral, Gemma 2/3): a query at position p sees keys
 p - sliding_window + 1 .. p (transformers' `sliding_window_overlay`). A windowed decode gathers
@@ -26,8 +47,9 @@ only its sequence's last `sliding_window` keys (so the plan depends on the windo
 keeps one per window value a step uses); a prefill chunk gathers from the first block its
 earliest row sees and masks each row by its own position. Soft-capping
 (`cap * tanh(scores / cap)` after the scale, before the softmax) has no SDPA form, so those
-calls compute the scores explicitly, in float32. With both off (None) the code paths are the
-ones without them.
+calls compute the scores explicitly, in float32; a soft-capped prefill goes by tiles of query
+rows holding at most `_CAPPED_SCORES` scores (4,096 tokens: 1,541 -> 213 ms float32). With
+both off (None) the code paths are the ones without them.
 """
 
 from __future__ import annotations
@@ -51,9 +73,19 @@ _CALL_COST_KEYS = 256
 # Most bytes of keys plus values one decode group gathers (see the module docstring).
 _GROUP_BYTES = 4 << 20
 
-# Most float32 scores one soft-capped prefill call holds at once (64 MB): a long chunk is split
-# by query rows, since the explicit path materializes [heads, rows, keys].
-_CAPPED_SCORES = 16 << 20
+# Query rows per prefill tile (a chunk after earlier context or a windowed prompt; see the
+# module docstring). Of 128, 256 and 512, 256 was fastest or within noise of it (a 4,096-token
+# prompt and a 2,048 chunk after 2,048; 2 threads, float32 and bfloat16).
+_PREFILL_TILE = 256
+
+# Most elements of one tile's mask ([rows, keys] bool, which SDPA turns into an additive mask
+# of the query's dtype: 20 MB at float32): past 16 Ki keys, tiles get fewer rows.
+_TILE_MASK = 4 << 20
+
+# Most float32 scores one soft-capped prefill tile holds at once (8 MB; the softmax makes a
+# second such buffer): the explicit path materializes [heads, rows, keys]. 8 and 16 MB ran
+# within 6% of each other at 4,096 tokens; 16 MB took 61 MiB in all at 8,000.
+_CAPPED_SCORES = 2 << 20
 
 
 @dataclass(frozen=True)
@@ -232,8 +264,8 @@ def attend_requests(query: torch.Tensor, kv_cache: torch.Tensor, meta: Attention
         k = kv_cache[0].index_select(0, used).flatten(0, 1)[:seq_len - first].transpose(0, 1)
         v = kv_cache[1].index_select(0, used).flatten(0, 1)[:seq_len - first].transpose(0, 1)
         q = query[start:end].transpose(0, 1)
-        out[start:end] = _attend(q, k.to(q.dtype), v.to(q.dtype), seq_len, scale, window,
-                                 logits_soft_cap).transpose(0, 1)
+        _prefill(q[None], k.to(q.dtype)[None], v.to(q.dtype)[None], seq_len, scale,
+                 out[start:end], window, logits_soft_cap)
 
 
 def _length_groups(
@@ -313,48 +345,54 @@ def _batched_decode(
     return attn.squeeze(2)
 
 
-def _attend(
+def _prefill(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq_len: int, scale: float,
-    sliding_window: int | None = None, logits_soft_cap: float | None = None,
-) -> torch.Tensor:
-    """q [Hq, n, D] (the sequence's last n positions) over k, v [Hkv, L, D] (its last L)."""
-    num_queries = q.shape[1]
-    context = seq_len - num_queries
-    if sliding_window is not None or logits_soft_cap is not None:
-        return _attend_masked(q, k, v, seq_len, scale, sliding_window, logits_soft_cap)
-    mask: torch.Tensor | None = None
-    causal = False
-    if context == 0:
-        causal = num_queries > 1
-    elif num_queries > 1:
-        rows = torch.arange(num_queries, device=q.device)[:, None] + context
-        mask = torch.arange(seq_len, device=q.device)[None, :] <= rows
-    return F.scaled_dot_product_attention(
-        q, k, v, attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=True
-    )
+    out: torch.Tensor, sliding_window: int | None, logits_soft_cap: float | None,
+) -> None:
+    """Attention of q [1, Hq, n, D] (the sequence's last n positions) over k, v [1, Hkv, L, D]
+    (its last L), written into out [n, Hq, D].
+
+    A fresh prompt is one causal SDPA call; anything else goes by tiles of query rows, each
+    over the keys its rows see (see the module docstring).
+    """
+    num_queries, num_keys = q.shape[2], k.shape[2]
+    context = seq_len - num_queries  # the position of query row 0
+    first = seq_len - num_keys  # the position of key 0
+    if context == 0 and sliding_window is None and logits_soft_cap is None:
+        out.copy_(F.scaled_dot_product_attention(
+            q, k, v, is_causal=True, scale=scale, enable_gqa=True)[0].transpose(0, 1))
+        return
+    if logits_soft_cap is None:
+        rows = max(1, min(_PREFILL_TILE, _TILE_MASK // num_keys))
+    else:
+        rows = max(1, _CAPPED_SCORES // (q.shape[1] * num_keys))
+    for a in range(0, num_queries, rows):
+        b = min(num_queries, a + rows)
+        lo = 0  # the tile's first key (index into k), before which none of its rows looks
+        if sliding_window is not None:
+            lo = max(0, context + a - sliding_window + 1 - first)
+        hi = context + b - first  # one past its last row's position
+        mask = _tile_mask(context + a, context + b, first + lo, first + hi, sliding_window,
+                          q.device)
+        q_tile, k_tile, v_tile = q[:, :, a:b], k[:, :, lo:hi], v[:, :, lo:hi]
+        if logits_soft_cap is None:
+            attn = F.scaled_dot_product_attention(q_tile, k_tile, v_tile, attn_mask=mask,
+                                                  scale=scale, enable_gqa=True)
+        else:
+            attn = _capped(q_tile, k_tile, v_tile, mask[None], scale, logits_soft_cap)
+        out[a:b] = attn[0].transpose(0, 1)
 
 
-def _attend_masked(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq_len: int, scale: float,
-    sliding_window: int | None, logits_soft_cap: float | None,
-) -> torch.Tensor:
-    """`_attend` with a window and/or a soft-cap: a mask from each row's absolute position."""
-    num_queries, num_keys = q.shape[1], k.shape[1]
-    rows = torch.arange(seq_len - num_queries, seq_len, device=q.device)[:, None]
-    cols = torch.arange(seq_len - num_keys, seq_len, device=q.device)[None, :]
+def _tile_mask(row_start: int, row_end: int, key_start: int, key_end: int,
+               sliding_window: int | None, device: torch.device) -> torch.Tensor:
+    """bool [rows, keys]: True where the query at position row_start + i sees the key at
+    position key_start + j (causal, and inside its window)."""
+    rows = torch.arange(row_start, row_end, device=device)[:, None]
+    cols = torch.arange(key_start, key_end, device=device)[None, :]
     mask = cols <= rows
     if sliding_window is not None:
         mask &= cols > rows - sliding_window
-    if logits_soft_cap is None:
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale,
-                                              enable_gqa=True)
-    step = max(1, _CAPPED_SCORES // (q.shape[0] * num_keys))  # query rows per piece
-    pieces = [
-        _capped(q[None, :, s:s + step], k[None], v[None], mask[None, s:s + step], scale,
-                logits_soft_cap)[0]
-        for s in range(0, num_queries, step)
-    ]
-    return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=1)
+    return mask
 
 
 def _capped(
@@ -371,11 +409,13 @@ def _capped(
     kv_heads, num_keys = k.shape[1], k.shape[2]
     group = q_heads // kv_heads
     grouped = q.reshape(batch, kv_heads, group * num_queries, dim)
-    scores = torch.matmul(grouped, k.transpose(-1, -2)).float() * scale
-    scores = torch.tanh(scores / cap) * cap
+    # In place, the same operations as scores * scale, then tanh(scores / cap) * cap: one
+    # scores-sized buffer instead of one per step.
+    scores = torch.matmul(grouped, k.transpose(-1, -2)).float()
+    scores.mul_(scale).div_(cap).tanh_().mul_(cap)
     if mask is not None:
         scores = scores.view(batch, kv_heads, group, num_queries, num_keys)
-        scores = scores.masked_fill(~mask[:, None, None], float("-inf"))
+        scores.masked_fill_(~mask[:, None, None], float("-inf"))
         scores = scores.view(batch, kv_heads, group * num_queries, num_keys)
     probs = torch.softmax(scores, dim=-1).to(v.dtype)
     return torch.matmul(probs, v).view(batch, q_heads, num_queries, dim)

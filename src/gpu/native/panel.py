@@ -10,6 +10,18 @@ of a plain or oneDNN-packed weight and call `linear`; the fused decode step
 `-O3 -march=native -fopenmp`, cached under `RINGSERVE_HOME/kernels/`, and runs on torch's
 OpenMP threads. When it cannot be built, `load_library` logs why once and returns None; the
 layers then keep torch's matmuls.
+
+From `MANY_ROWS` (512) rows on (prefill), a float32 `linear` is torch's GEMM instead: `addmm`
+(MKL) on W^T read out of the panels (`_many_rows`: a weight-sized copy in runs of 16 floats,
+so the plain weight need not be kept); results differ by float32 rounding only. The kernel's
+6 x 16 register tiles are AVX2; on the AVX-512 dev VM (2 threads, medians of 9 interleaved
+calls, one weight) the read-out plus `addmm` against the kernel, in ms, SmolLM2-135M shapes:
+qkv 960 x 576 at 512 rows 2.46 -> 1.95, at 2,048 9.77 -> 7.25; o 576 x 576 1.55 -> 1.28,
+6.01 -> 4.40; gate/up 3072 x 576 8.34 -> 6.52, 34.1 -> 25.3; down 576 x 1536 4.01 -> 3.16,
+16.0 -> 11.6; the 49152 x 576 LM head 404 -> 357 and 1,554 -> 1,002 (its read-out alone
+costs ~90 ms). Even at 128-192 rows, ~10% ahead at 256; below 128 the kernel wins (the
+read-out costs 0.1-0.5 ms). 512 leaves room for AVX2 hosts, where this is unmeasured (the
+C kernel's 64-row figures put oneDNN and it about even).
 """
 
 from __future__ import annotations
@@ -38,6 +50,10 @@ HEADERS = (_DIR / "panel.h", _DIR / "fast_exp.h", _DIR / "cpu_decode.h", _DIR / 
 PANEL = 16  # output channels per panel (RS_PANEL)
 INT4_GROUP = 32  # inputs per int4 scale / min (RS_INT4_GROUP)
 FORMATS = {"f32": 0, "int8": 1, "int4": 2, "int8g": 3}
+
+# Rows from which a float32 `linear` goes to torch's GEMM instead (`_many_rows`): see the
+# module docstring.
+MANY_ROWS = 512
 
 _lock = threading.Lock()
 _loaded: list[ctypes.CDLL | None] = []
@@ -259,6 +275,8 @@ def linear(library: ctypes.CDLL, x: torch.Tensor, weight: PanelWeight) -> torch.
         raise ValueError(f"panel linear: x {x.dtype} {list(x.shape)} for a weight of "
                          f"{weight.out_features} x {k}")
     rows = x.reshape(-1, k)
+    if weight.format == "f32" and rows.shape[0] >= MANY_ROWS:
+        return _many_rows(rows, weight).reshape(*x.shape[:-1], weight.out_features)
     if not rows.is_contiguous():
         rows = rows.contiguous()
     out = torch.empty(rows.shape[0], weight.out_features, dtype=torch.float32)
@@ -266,6 +284,16 @@ def linear(library: ctypes.CDLL, x: torch.Tensor, weight: PanelWeight) -> torch.
         library.rs_linear(ctypes.byref(weight.struct), rows.data_ptr(), rows.shape[0],
                           out.data_ptr(), torch.get_num_threads())
     return out.reshape(*x.shape[:-1], weight.out_features)
+
+
+def _many_rows(rows: torch.Tensor, weight: PanelWeight) -> torch.Tensor:
+    """`rows @ W^T + bias` by torch's GEMM (MKL) from float32 panels: `[P, k, 16]` read out
+    as `W^T` `[k, P * 16]`, a copy in runs of 16 floats (the plain weight is not kept)."""
+    p, k, _ = weight.data.shape
+    columns = weight.data.permute(1, 0, 2).reshape(k, p * PANEL)[:, : weight.out_features]
+    if weight.bias is None:
+        return torch.mm(rows, columns)
+    return torch.addmm(weight.bias, rows, columns)
 
 
 def load_library() -> ctypes.CDLL | None:
