@@ -62,8 +62,8 @@ def _serve(ns: argparse.Namespace) -> int:
     engine_args.verify()  # flag mistakes before any model is read
     check_serve_args(ns)
     notes = no_effect_lines(ns)
-    if notes:
-        server.configure_logging()  # else serve() does, once the model is read
+    # Before the config is built: it logs the dtype and weight format chosen, and why.
+    server.configure_logging()
     for line in notes:
         logger.info(line)
     apply_server_log_level(ns.uvicorn_log_level)

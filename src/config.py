@@ -15,7 +15,9 @@ from typing import Any, Literal
 
 # What a checkpoint may be lives a floor down, with the checkpoint readers, so that they
 # need nothing of this module; re-exported for the engine's modules that read them here.
+from ringserve.checkpoint.support import GGUF_QUANTIZATION as GGUF_QUANTIZATION
 from ringserve.checkpoint.support import LOAD_FORMATS as LOAD_FORMATS
+from ringserve.checkpoint.support import QUANTIZATION_CHOICES as QUANTIZATION_CHOICES
 from ringserve.checkpoint.support import QUANTIZATION_METHODS as QUANTIZATION_METHODS
 from ringserve.checkpoint.support import SUPPORTED_ARCHITECTURES as SUPPORTED_ARCHITECTURES
 from ringserve.checkpoint.support import DType as DType
@@ -49,7 +51,9 @@ class ModelConfig:
             (`temperature`, `top_p`, `top_k`, `min_p`, `repetition_penalty`, `max_tokens`);
             a request's own values win.
         quantization: "int8" or "int4" (weight-only, quantized at load; see
-            `ringserve.gpu.layers.quant`), or None for the float weights.
+            `ringserve.gpu.layers.quant`), "gguf" (a GGUF file's layers each on the panels
+            of its own codes, the default for a quantized GGUF file on CPU; see
+            `ringserve.checkpoint.precision`), or None for the float weights.
     """
 
     model: str
@@ -97,6 +101,7 @@ class ModelConfig:
         override_generation_config: str | dict[str, Any] | None = None,
         device: str = "cpu",
         quantization: str | None = None,
+        gguf_dequantize: bool = False,
     ) -> ModelConfig:
         """Read and check a model: a local Hugging Face directory, a GGUF file, or a hub id
         (resolved through the local Hugging Face cache, see `ringserve.checkpoint.hub`).
@@ -108,7 +113,14 @@ class ModelConfig:
                 generation_config.json), "vllm" (none), or a directory holding one.
             override_generation_config: a JSON object (or its text) over those defaults.
             device: the resolved device ("cpu" or "cuda"), for what dtype "auto" means.
-            quantization: None, "int8" or "int4" (weight-only, CPU only).
+            quantization: None (float weights; a quantized GGUF file's codes on CPU), "int8",
+                "int4" or "gguf" (weight-only, CPU only).
+            gguf_dequantize: serve a quantized GGUF file's float model (dequantized at load)
+                instead of its codes.
+
+        Logs one line naming the dtype and weight format chosen and why (and warns about
+        bf16 on a CPU without native bf16), once per process; see
+        `ringserve.checkpoint.precision`.
 
         Raises:
             ModelDirectoryError: the model, or one of its files, is missing, unreadable,
@@ -117,22 +129,30 @@ class ModelConfig:
                 generation config options are not allowed for this model.
         """
         from ringserve.checkpoint import model_dir as md
+        from ringserve.checkpoint import precision
         from ringserve.checkpoint.generation_config import sampling_defaults
         from ringserve.checkpoint.gguf_file import is_gguf
         from ringserve.checkpoint.hub import resolve_model
 
-        md.check_quantization(quantization, device)
+        md.check_quantization(quantization, device, gguf_dequantize=gguf_dequantize)
 
         if load_format not in LOAD_FORMATS:
             raise ValueError(f"load_format: got {load_format!r}, allowed: "
                              f"{', '.join(LOAD_FORMATS)}")
         source = resolve_model(model, revision=revision, download_dir=download_dir)
+        gguf_weights: str | None = None
         if load_format == "gguf" or (load_format == "auto" and is_gguf(source)):
             path, weights, fmt = md.gguf_model_dir(source, tokenizer), source, "gguf"
+            quantization, gguf_weights = precision.gguf_quantization(
+                md.gguf_tensors(source), quantization, device, dequantize=gguf_dequantize)
         else:
             path, weights = source, source
             fmt = "dummy" if load_format == "dummy" else "safetensors"
             md.check_model_dir(path, fmt)
+            if quantization == GGUF_QUANTIZATION:
+                raise ValueError(f"quantization: gguf serves a GGUF file from its codes; "
+                                 f"{source} is not a GGUF file (allowed here: None, "
+                                 f"{', '.join(QUANTIZATION_METHODS)})")
         tok_path = Path(tokenizer) if tokenizer is not None else path
         md.check_tokenizer_dir(tok_path)
         hf = md.load_hf_config(path)
@@ -148,12 +168,16 @@ class ModelConfig:
         heads = int(hf["num_attention_heads"])
         hidden = int(hf["hidden_size"])
         gen_dir = md.generation_config_dir(generation_config, path)
+        resolved, dtype_why = precision.resolve_dtype(dtype, hf, device)
+        precision.announce(
+            precision.startup_line(resolved, dtype_why, quantization, gguf_weights),
+            precision.bf16_warning(resolved, device))
         return cls(
             model=str(path),
             tokenizer=str(tok_path),
             served_model_name=served_model_name or model,
             architecture=arch,
-            dtype=md.resolve_dtype(dtype, hf, device),
+            dtype=resolved,
             max_model_len=max_model_len,
             vocab_size=int(hf["vocab_size"]),
             hidden_size=hidden,

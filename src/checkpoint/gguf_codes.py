@@ -16,25 +16,58 @@ float32 scale and min per 32 inputs, and the int8 panels one scale per 32 inputs
 come from Q8_0 ("int8g"), so the codes move over unchanged and every weight dequantizes to
 exactly gguf-py's value (`q * scale` is exact in float32, at most 21 significant bits).
 
-`gguf_weights.read_tensor` attaches a decoder to the float32 tensor it yields (`attach`;
-decoding runs only when a layer asks); a quantized linear layer of the same method takes it
-(`attached`) for the rows or columns it holds. Any other tensor type is quantized from its
-floats as before.
+`gguf_weights.read_tensor` attaches the tensor's GGUF type and, for these four, a decoder to
+the float32 tensor it yields (`attach`; decoding runs only when a layer asks); a quantized
+linear layer of the same method takes the codes (`attached`) for the rows or columns it holds.
+Any other tensor type is quantized from its floats as before.
+
+Under `quantization="gguf"` (a quantized GGUF file's default, vLLM's name for serving one
+from its blocks) each layer picks its own method from the types of the tensors it holds:
+`panel_method` per tensor, `layer_method` for a fused layer (q/k/v, gate/up), the most precise
+of its parts (float > int8 > int4), so no part loses precision to another's format.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
+from ringserve.checkpoint.support import GGUF_QUANTIZATION
+
 GROUP = 32  # inputs per scale (and min)
 # GGUF type -> the quantization method whose panels hold its codes as they are.
 METHODS = {"Q8_0": "int8", "Q4_0": "int4", "Q4_1": "int4", "Q4_K": "int4"}
+# Types that hold floats: served as floats (float32 panels) under "gguf".
+FLOAT_TYPES = ("F32", "F16", "BF16", "F64")
+# The quantization mode that serves each layer of a GGUF file on the panels of its own
+# codes (`layer_method`); vLLM's `--quantization gguf`.
+GGUF_MODE = GGUF_QUANTIZATION
 _SIZES = {"Q8_0": (32, 34), "Q4_0": (32, 18), "Q4_1": (32, 20), "Q4_K": (256, 144)}
-_ATTR = "_ringserve_gguf_codes"  # (method, decoder) a float tensor carries
+_ATTR = "_ringserve_gguf_source"  # the FileTensor a float tensor read from a GGUF carries
+_PRECISION = {None: 2, "int8": 1, "int4": 0}  # float > int8 > int4
+
+
+def panel_method(qtype: str | None) -> str | None:
+    """The panels a tensor of GGUF type `qtype` is served on under "gguf": its codes' method
+    for Q8_0 / Q4_0 / Q4_1 / Q4_K, None (float) for a float type (or None: not from a GGUF
+    file), and int8, rounded from the floats, for every other quantized type (Q5_*, Q6_K,
+    Q2_K, Q3_K, ...: none has panels of its own, and 8 bits hold any of them closely)."""
+    if qtype is None or qtype in FLOAT_TYPES:
+        return None
+    return METHODS.get(qtype, "int8")
+
+
+def layer_method(qtypes: Iterable[str | None]) -> str | None:
+    """The method of a layer whose weight is made of tensors of these GGUF types (a fused
+    q/k/v or gate/up holds several): the most precise of their `panel_method`s, so a Q6_K
+    part next to Q4_K ones puts the layer on int8 panels and a float part keeps it float."""
+    methods = [panel_method(q) for q in qtypes]
+    if not methods:
+        return None
+    return max(methods, key=lambda m: _PRECISION[m])
 
 
 @dataclass(frozen=True)
@@ -140,21 +173,48 @@ def _k_scales(packed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return sc, m
 
 
-def attach(weight: torch.Tensor, method: str, decoder: Callable[[], BlockCodes]
-           ) -> torch.Tensor:
-    """Give `weight` (the dequantized float tensor) the decoder of its `method` codes;
-    returns it."""
-    setattr(weight, _ATTR, (method, decoder))
+@dataclass(frozen=True)
+class FileTensor:
+    """Where a float tensor read from a GGUF file came from.
+
+    Attributes:
+        qtype: its GGUF type name ("Q4_1", "Q6_K", "F16", ...).
+        decoder: the codes' decoder for the four types that keep them (METHODS), else None.
+    """
+
+    qtype: str
+    decoder: Callable[[], BlockCodes] | None = None
+
+    @property
+    def method(self) -> str | None:
+        """The method whose panels take these codes as they are (None: no codes)."""
+        return None if self.decoder is None else METHODS[self.qtype]
+
+    def codes(self) -> BlockCodes | None:
+        """The decoded codes (None: a type without codes)."""
+        return None if self.decoder is None else self.decoder()
+
+
+def attach(weight: torch.Tensor, source: FileTensor) -> torch.Tensor:
+    """Mark `weight` (the dequantized float tensor) as read from a GGUF tensor of
+    `source.qtype`, with the decoder of its codes if it has them; returns it."""
+    setattr(weight, _ATTR, source)
     return weight
+
+
+def source_of(weight: torch.Tensor) -> FileTensor | None:
+    """What GGUF tensor `weight` was read from (None: not from a GGUF file)."""
+    source: FileTensor | None = getattr(weight, _ATTR, None)
+    return source
 
 
 def method_of(weight: torch.Tensor) -> str | None:
     """The method of the codes attached to `weight` (without decoding them), or None."""
-    carried: tuple[str, Callable[[], BlockCodes]] | None = getattr(weight, _ATTR, None)
-    return None if carried is None else carried[0]
+    source = source_of(weight)
+    return None if source is None else source.method
 
 
 def attached(weight: torch.Tensor) -> BlockCodes | None:
     """The codes `weight` was dequantized from, or None (another type, or no GGUF file)."""
-    carried: tuple[str, Callable[[], BlockCodes]] | None = getattr(weight, _ATTR, None)
-    return None if carried is None else carried[1]()
+    source = source_of(weight)
+    return None if source is None else source.codes()

@@ -145,11 +145,13 @@ def read_tensor(path: Path, handle: io.BufferedReader, tensor: TensorInfo) -> to
         values = gguf.quants.dequantize(raw.reshape(-1, row // block * type_size), qtype)
     array = np.ascontiguousarray(values, dtype=np.float32).reshape(tensor.shape)
     weight = torch.from_numpy(array)
-    method = gguf_codes.METHODS.get(qtype.name)
-    if method is not None and len(tensor.shape) == 2:
-        # A layer quantized by `method` keeps these codes (decoded only if one asks).
+    if len(tensor.shape) == 2:
+        # The type picks the layer's panels under "gguf"; a layer quantized by the codes'
+        # method keeps them (decoded only if one asks).
         shape = (int(tensor.shape[0]), int(tensor.shape[1]))
-        gguf_codes.attach(weight, method, lambda: gguf_codes.decode(raw, qtype.name, shape))
+        decoder = (None if qtype.name not in gguf_codes.METHODS
+                   else lambda: gguf_codes.decode(raw, qtype.name, shape))
+        gguf_codes.attach(weight, gguf_codes.FileTensor(qtype.name, decoder))
     return weight
 
 
@@ -190,15 +192,18 @@ def iterate_weights(
 
 
 def _unpermuted(weight: torch.Tensor, n_head: int) -> torch.Tensor:
-    """`unpermute`, carrying the codes `weight` may have along (in the same order)."""
+    """`unpermute`, carrying the type and codes `weight` may have along (in the same
+    order)."""
     out = unpermute(weight, n_head)
-    method = gguf_codes.method_of(weight)
-    if method is None:
+    source = gguf_codes.source_of(weight)
+    if source is None:
         return out
+    if source.decoder is None:
+        return gguf_codes.attach(out, source)
 
     def decoder() -> gguf_codes.BlockCodes:
-        blocks = gguf_codes.attached(weight)
+        blocks = source.codes()
         assert blocks is not None
         return blocks.map_rows(lambda t: unpermute(t, n_head))
 
-    return gguf_codes.attach(out, method, decoder)
+    return gguf_codes.attach(out, gguf_codes.FileTensor(source.qtype, decoder))

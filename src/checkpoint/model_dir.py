@@ -1,9 +1,9 @@
 """Reading a model directory for `ringserve.config.ModelConfig.from_model_dir`: the checks on
 its files (config.json, weights, tokenizer), the GGUF file's materialized directory, the raw
 config (a multimodal checkpoint's `text_config` merged in), its architecture, the longest
-sequence it allows, the compute dtype, the end-of-generation ids and the generation-config
-directory. Each problem is a `ModelDirectoryError` (or `ValueError` for a bad option) naming
-the file and what is wrong.
+sequence it allows, the end-of-generation ids and the generation-config directory (the
+compute dtype and weight format: `ringserve.checkpoint.precision`). Each problem is a
+`ModelDirectoryError` (or `ValueError` for a bad option) naming the file and what is wrong.
 """
 
 from __future__ import annotations
@@ -14,18 +14,12 @@ from typing import Any
 
 from ringserve.checkpoint.generation_config import read_generation_config
 from ringserve.checkpoint.gguf_file import is_gguf, materialize
+from ringserve.checkpoint.gguf_header import read_header
+from ringserve.checkpoint.precision import GGUFTensor
 from ringserve.checkpoint.safetensors_file import check_headers, checkpoint_files
-from ringserve.checkpoint.support import QUANTIZATION_METHODS, SUPPORTED_ARCHITECTURES, DType
+from ringserve.checkpoint.support import QUANTIZATION_CHOICES, SUPPORTED_ARCHITECTURES
 from ringserve.envs import ringserve_home
 from ringserve.errors import ModelDirectoryError
-
-TORCH_DTYPE_NAMES: dict[str, DType] = {
-    "float32": "float32",
-    "float": "float32",
-    "bfloat16": "bfloat16",
-    "float16": "float16",
-    "half": "float16",
-}
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
 
@@ -44,11 +38,17 @@ def check_model_dir(path: Path, load_format: str) -> None:
         check_headers(checkpoint_files(path))
 
 
-def check_quantization(quantization: str | None, device: str) -> None:
-    """Refuse a quantization method ringserve does not run, or one on a device it lacks."""
-    if quantization is not None and quantization not in QUANTIZATION_METHODS:
-        raise ValueError(f"quantization: got {quantization!r}, allowed: None (float weights), "
-                         f"{', '.join(QUANTIZATION_METHODS)}")
+def check_quantization(quantization: str | None, device: str, *,
+                       gguf_dequantize: bool = False) -> None:
+    """Refuse a quantization method ringserve does not run, one on a device it lacks, or one
+    with `--gguf-dequantize` (which asks for float weights)."""
+    if quantization is not None and quantization not in QUANTIZATION_CHOICES:
+        raise ValueError(f"quantization: got {quantization!r}, allowed: None (float weights, "
+                         f"or a quantized GGUF file's codes), "
+                         f"{', '.join(QUANTIZATION_CHOICES)}")
+    if quantization is not None and gguf_dequantize:
+        raise ValueError(f"gguf_dequantize: asks for float weights, and quantization "
+                         f"{quantization} for {quantization} panels; give one of them")
     if quantization is not None and device != "cpu":
         # The packed kernels are torch's CPU weight-only matmuls; CUDA has its own layouts.
         raise ValueError(f"quantization: {quantization} runs on CPU only (device is {device})")
@@ -67,6 +67,11 @@ def gguf_model_dir(path: Path, tokenizer: str | None) -> Path:
         target.parent.mkdir(parents=True, exist_ok=True)
         materialize(path, target, with_tokenizer=tokenizer is None)
     return target
+
+
+def gguf_tensors(path: Path) -> list[GGUFTensor]:
+    """The names, types and ranks of a GGUF file's tensors (from its header)."""
+    return [GGUFTensor(t.name, t.type_name, len(t.shape)) for t in read_header(path).tensors]
 
 
 def check_tokenizer_dir(path: Path) -> None:
@@ -134,31 +139,6 @@ def derived_max_len(hf: dict[str, Any]) -> int:
             derived = int(rope["original_max_position_embeddings"])
         return max(derived, int(derived * float(factor)))
     return derived
-
-
-def resolve_dtype(dtype: str, hf: dict[str, Any], device: str) -> DType:
-    """The compute dtype. "auto": the checkpoint's own dtype on CUDA; on CPU float32 (the
-    CPU's GEMMs and attention have no native bf16/fp16 without AVX512-BF16 or AMX, and
-    emulating it is slower than float32), except bfloat16 weights on a CPU that has native
-    bf16."""
-    if dtype != "auto":
-        if dtype not in TORCH_DTYPE_NAMES:
-            raise ValueError(f"dtype: got {dtype!r}, allowed: auto, float32, bfloat16, float16")
-        return TORCH_DTYPE_NAMES[dtype]
-    stored = hf.get("dtype") or hf.get("torch_dtype") or "float32"
-    resolved = TORCH_DTYPE_NAMES.get(str(stored).removeprefix("torch."), "float32")
-    if device == "cuda":
-        return resolved
-    return "bfloat16" if resolved == "bfloat16" and cpu_has_native_bf16() else "float32"
-
-
-def cpu_has_native_bf16() -> bool:
-    """Whether this CPU computes in bf16 natively (AVX512-BF16 or AMX-BF16 in /proc/cpuinfo)."""
-    try:
-        flags = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-    return any(flag in flags.split() for flag in ("avx512_bf16", "amx_bf16"))
 
 
 def eos_token_ids(path: Path, hf: dict[str, Any], gen_dir: Path | None) -> tuple[int, ...]:

@@ -29,3 +29,8 @@ SUPPORTED_ARCHITECTURES: tuple[str, ...] = (
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
 # Weight-only quantization of the linear layers at load (ringserve.gpu.layers.quant); CPU only.
 QUANTIZATION_METHODS = ("int8", "int4")
+# What `--quantization` takes: a method, or "gguf" (vLLM's name): each layer of a GGUF file on
+# the panels of its own tensors' codes (ringserve.checkpoint.gguf_codes.layer_method), the
+# default for a quantized GGUF file on CPU.
+GGUF_QUANTIZATION = "gguf"
+QUANTIZATION_CHOICES = (*QUANTIZATION_METHODS, GGUF_QUANTIZATION)

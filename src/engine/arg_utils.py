@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any, get_args
 
 from ringserve.config import (
-    QUANTIZATION_METHODS,
+    QUANTIZATION_CHOICES,
     REASONING_PARSERS,
     STRUCTURED_OUTPUT_BACKENDS,
     CacheConfig,
@@ -99,6 +99,7 @@ class EngineArgs:
     generation_config: str = "auto"
     override_generation_config: str | dict[str, Any] | None = None
     quantization: str | None = None
+    gguf_dequantize: bool = False
     enforce_eager: bool = False
     cuda_graph_sizes: tuple[int, ...] | list[int] | None = None
     weight_transfer_config: str | dict[str, Any] | None = None
@@ -163,6 +164,7 @@ class EngineArgs:
             override_generation_config=self.override_generation_config,
             device=_resolve_device(self.device),
             quantization=self.quantization,
+            gguf_dequantize=self.gguf_dequantize,
         )
         return EngineConfig(
             model_config=model_config,
@@ -363,8 +365,8 @@ class EngineArgs:
         _require("fault_tolerance_auto_retry", self.fault_tolerance_auto_retry,
                  lambda v: v >= 0, "an integer >= 0")
         _require("quantization", self.quantization,
-                 lambda v: v is None or v in QUANTIZATION_METHODS,
-                 f"None or {', '.join(QUANTIZATION_METHODS)} (weight-only, CPU)")
+                 lambda v: v is None or v in QUANTIZATION_CHOICES,
+                 f"None or {', '.join(QUANTIZATION_CHOICES)} (weight-only, CPU)")
         for name in ("max_num_queued_reqs", "max_num_queued_tokens"):
             _require(name, getattr(self, name), lambda v: v is None or v >= 1, "an integer >= 1")
         if self.device == "cuda" and _resolve_device("auto") != "cuda":

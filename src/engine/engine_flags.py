@@ -49,7 +49,8 @@ FLAG_SPECS: tuple[FlagSpec, ...] = (
     FlagSpec("tokenizer", "tokenizer directory (default: the model's)", str),
     FlagSpec("served_model_name", "names clients may use for the model; the first is the one "
               "metrics use (default: MODEL as given)", str, nargs="+"),
-    FlagSpec("dtype", "weight and activation dtype", str,
+    FlagSpec("dtype", "weight and activation dtype (auto: the checkpoint's on CUDA, float32 "
+              "on CPU until bf16 has panels there; the start-up line says which and why)", str,
               ("auto", "float32", "float", "bfloat16", "float16", "half")),
     FlagSpec("seed", "random seed", int),
     FlagSpec("max_model_len", "longest prompt + output in tokens: 4096, 32k (= 32000), 32K "
@@ -112,8 +113,14 @@ FLAG_SPECS: tuple[FlagSpec, ...] = (
     FlagSpec("generation_config", "request defaults: auto (the model's "
               "generation_config.json), vllm (none), or a directory holding one", str),
     FlagSpec("quantization", "weight-only quantization of the linear layers and the LM head "
-              "at load, on CPU: int8 (per output channel) or int4 (groups of 32); the "
-              "embedding stays float", flag_type(quantization_method), aliases=("-q",)),
+              "at load, on CPU: int8 (per output channel) or int4 (groups of 32), or gguf "
+              "(each layer of a GGUF file on the panels of its own codes: Q4_0/Q4_1/Q4_K on "
+              "int4, Q8_0 on int8, other quantized types rounded to int8, float tensors "
+              "float); the embedding stays float. Default: gguf for a quantized GGUF file on "
+              "CPU, else none", flag_type(quantization_method), aliases=("-q",)),
+    FlagSpec("gguf_dequantize", "serve a quantized GGUF file's float model: its blocks "
+              "dequantized to the compute dtype at load (in float32 several times the "
+              "file's size in memory), not its codes on int4 / int8 panels", boolean=True),
     FlagSpec("enforce_eager", "run every step module by module: no captured decode step "
               "(ringserve.gpu.runner.decode_capture)", boolean=True),
     FlagSpec("cuda_graph_sizes", "the decode batch sizes that get a captured step (on CPU "

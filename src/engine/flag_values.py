@@ -10,7 +10,7 @@ import argparse
 import re
 from typing import Any
 
-from ringserve.config import QUANTIZATION_METHODS
+from ringserve.config import QUANTIZATION_CHOICES, QUANTIZATION_METHODS
 
 _BYTE_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
 
@@ -63,15 +63,17 @@ def human_readable_int_or_auto(text: str) -> int:
 
 def quantization_method(text: str) -> str:
     """`--quantization`'s value, checked: vLLM's other methods (awq, gptq, fp8, ...) read
-    checkpoints quantized ahead of time, which ringserve does not.
+    checkpoints quantized ahead of time, which ringserve does not (GGUF files aside: "gguf",
+    a quantized GGUF file's default, serves them from their codes).
 
     Raises:
-        ValueError: not one of `QUANTIZATION_METHODS` (the message names them).
+        ValueError: not one of `QUANTIZATION_CHOICES` (the message names them).
     """
-    if text not in QUANTIZATION_METHODS:
+    if text not in QUANTIZATION_CHOICES:
         raise ValueError(f"{text!r} is not supported: ringserve quantizes float "
                          "weights at load (weight-only, CPU); supported: "
-                         f"{', '.join(QUANTIZATION_METHODS)}")
+                         f"{', '.join(QUANTIZATION_METHODS)}, and gguf (a GGUF file's own "
+                         "codes, its default)")
     return text
 
 

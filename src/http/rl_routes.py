@@ -288,8 +288,9 @@ class RLRoutes:
 
         version: ringserve's version. model: the model directory. served_model_names: the
         names requests may use (the first is the primary one). architecture: the HF
-        architecture. max_model_len, dtype. quantization: "int8" / "int4", or null for float
-        weights. tensor_parallel_size, data_parallel_size. device: "cpu" or "cuda".
+        architecture. max_model_len, dtype. quantization: "int8" / "int4", "gguf" (a GGUF
+        file's layers on the panels of their own codes), or null for float weights.
+        tensor_parallel_size, data_parallel_size. device: "cpu" or "cuda".
         weight_transfer_config: `--weight-transfer-config` as an object (null: weight updates
         are off). weight_transfer_timeout_s: how long one update phase waits for the
         trainer. weight_version: the version being served (null: the start-up weights).

@@ -39,11 +39,13 @@ def export_gguf(
     name: str = "tiny",
     drop: frozenset[str] = frozenset(),
     replace: dict[str, np.ndarray] | None = None,
+    types: dict[str, gguf.GGMLQuantizationType] | None = None,
 ) -> Path:
     """Write `model_dir` as the GGUF file `out` with 2-D weights stored as `qtype`.
 
-    `drop` leaves out tensors and `replace` writes arrays as they are in place of tensors (both
-    by GGUF name), to make broken files.
+    `types` stores some 2-D weights as another type (a mixed file, as llama-quantize's
+    Q4_K_M writes one); `drop` leaves out tensors and `replace` writes arrays as they are in
+    place of tensors (all three by GGUF name), to make broken files.
     """
     config = json.loads((model_dir / "config.json").read_text())
     arch = _ARCHS[config["model_type"]]
@@ -51,7 +53,7 @@ def export_gguf(
     writer.add_name(name)
     _add_hparams(writer, config)
     _add_tokenizer(writer, model_dir, int(config["vocab_size"]))
-    _add_tensors(writer, model_dir, config, arch, qtype, drop, replace or {})
+    _add_tensors(writer, model_dir, config, arch, qtype, drop, replace or {}, types or {})
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -148,6 +150,7 @@ def _add_tensors(
     qtype: gguf.GGMLQuantizationType,
     drop: frozenset[str],
     replace: dict[str, np.ndarray],
+    types: dict[str, gguf.GGMLQuantizationType],
 ) -> None:
     names = gguf.get_tensor_name_map(_MODEL_ARCH[arch], int(config["num_hidden_layers"]))
     with safe_open(str(model_dir / "model.safetensors"), framework="pt") as f:
@@ -164,7 +167,7 @@ def _add_tensors(
                 tensor = llama_permute(tensor, int(config["num_attention_heads"]))
             elif arch == "llama" and ".k_proj." in hf_name:
                 tensor = llama_permute(tensor, int(config["num_key_value_heads"]))
-            _add_array(writer, gguf_name, tensor.numpy(), qtype)
+            _add_array(writer, gguf_name, tensor.numpy(), types.get(gguf_name, qtype))
     rope = _rope(config)
     if rope.get("rope_type") == "llama3":
         writer.add_tensor("rope_freqs.weight", llama3_rope_factors(config, rope))

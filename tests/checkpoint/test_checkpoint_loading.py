@@ -70,17 +70,11 @@ def _run(model_dir: Path, prompt: list[int]) -> tuple[list[int], float]:
 
 
 @pytest.mark.slow
-def test_bf16_sharded_loads_like_transformers(bf16_sharded: Path, tiny_llama_dir: Path,
-                                             monkeypatch: pytest.MonkeyPatch) -> None:
-    from ringserve.checkpoint import model_dir
-
+def test_bf16_sharded_loads_like_transformers(bf16_sharded: Path, tiny_llama_dir: Path) -> None:
     assert (bf16_sharded / "model.safetensors.index.json").is_file()
     assert len(list(bf16_sharded.glob("*.safetensors"))) > 1
-    config = ModelConfig.from_model_dir(str(bf16_sharded))
-    # auto: bfloat16 compute on a CPU with native bf16 (AVX512-BF16, AMX), else float32.
-    assert config.dtype == ("bfloat16" if model_dir.cpu_has_native_bf16() else "float32")
-    # The rest is the float32 path (what transformers' upcast is compared with), on any CPU.
-    monkeypatch.setattr(model_dir, "cpu_has_native_bf16", lambda: False)
+    # auto: float32 compute on CPU (bf16 has no panels yet; see test_dtype_choice.py), what
+    # transformers' upcast is compared with.
     assert ModelConfig.from_model_dir(str(bf16_sharded)).dtype == "float32"
     prompt = torch.randint(3, 8000, (12,), generator=torch.Generator().manual_seed(1)).tolist()
     expected, _ = _greedy_hf(bf16_sharded, prompt)  # transformers upcasts the same weights
@@ -220,7 +214,7 @@ def test_http_request_defaults_come_from_the_generation_config(tiny_llama_dir: P
 
 def test_dtype_auto_and_rope_stretched_length(tiny_llama_dir: Path, tmp_path: Path,
                                               monkeypatch: pytest.MonkeyPatch) -> None:
-    import ringserve.checkpoint.model_dir as model_dir_module
+    from ringserve.checkpoint import precision
 
     copy = _copy(tiny_llama_dir, tmp_path / "m")
     cfg = json.loads((copy / "config.json").read_text())
@@ -228,9 +222,10 @@ def test_dtype_auto_and_rope_stretched_length(tiny_llama_dir: Path, tmp_path: Pa
                rope_scaling={"rope_type": "yarn", "factor": 4.0,
                              "original_max_position_embeddings": 512})
     (copy / "config.json").write_text(json.dumps(cfg))
-    monkeypatch.setattr(model_dir_module, "cpu_has_native_bf16", lambda: False)
+    monkeypatch.setattr(precision, "cpu_flags", lambda: frozenset({"avx2"}))
     assert ModelConfig.from_model_dir(str(copy)).dtype == "float32"
     assert ModelConfig.from_model_dir(str(copy), device="cuda").dtype == "bfloat16"
-    monkeypatch.setattr(model_dir_module, "cpu_has_native_bf16", lambda: True)
-    assert ModelConfig.from_model_dir(str(copy)).dtype == "bfloat16"
+    # With native bf16 too, until bf16 has panels (issue 48, item 4).
+    monkeypatch.setattr(precision, "cpu_flags", lambda: frozenset({"avx512_bf16"}))
+    assert ModelConfig.from_model_dir(str(copy)).dtype == "float32"
     assert ModelConfig.from_model_dir(str(copy)).max_model_len == 2048  # 512 x 4 (yarn)

@@ -75,8 +75,10 @@ def test_shards_of_the_codes() -> None:
 
 
 def _runner(path: Path, quantization: str | None, backend: str = "torch") -> ModelRunner:
+    """The model of GGUF `path` with `quantization` (None: the float model, dequantized)."""
     config = EngineArgs(model=str(path), max_model_len=64, max_num_seqs=4, device="cpu",
-                        quantization=quantization).create_engine_config()
+                        quantization=quantization,
+                        gguf_dequantize=quantization is None).create_engine_config()
     runner = ModelRunner(config, torch.device("cpu"), attention_backend=backend)  # type: ignore[arg-type]
     runner.load_model()
     return runner
@@ -181,7 +183,8 @@ def _tp_rank(rank: int, path: str, port: int, out: str) -> None:
         models = []
         for method in ("int4", None):
             config = EngineArgs(model=path, max_model_len=64, max_num_seqs=4, device="cpu",
-                                quantization=method).create_engine_config()
+                                quantization=method,
+                                gguf_dequantize=method is None).create_engine_config()
             runner = ModelRunner(config, torch.device("cpu"), tp=tp, attention_backend="torch")
             runner.load_model()
             models.append(_linears(runner))

@@ -20,21 +20,27 @@ packed for oneDNN instead (`pack_weight`, as vLLM's CPU backend does). Results d
 
 A layer built with `quantization="int8"` or `"int4"` instead quantizes its loaded shard there
 (`ringserve.gpu.layers.quant.quantize`: each TP rank quantizes what it holds) into int8 / int4
-panels that the kernels read packed (`quantized_linear`); its float weight is dropped.
+panels that the kernels read packed (`quantized_linear`); its float weight is dropped. Rows
+loaded from a GGUF file's blocks of that method keep their codes. With `quantization="gguf"`
+(a quantized GGUF file's default) each layer picks its method from the GGUF types of the
+tensors it was loaded from (`ringserve.checkpoint.gguf_codes.layer_method`: int4 for Q4_*
+codes, int8 for Q8_0 codes and for types without panels of their own, float for float
+tensors) and keeps `quantization` as the method it picked.
 """
 
 from __future__ import annotations
 
 import ctypes
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from ringserve.checkpoint import gguf_codes
-from ringserve.checkpoint.gguf_codes import BlockCodes
+from ringserve.checkpoint.gguf_codes import GGUF_MODE, BlockCodes, FileTensor
 from ringserve.gpu.layers.parallel import TPGroup
-from ringserve.gpu.layers.quant import check_method, quantize, quantized_linear
+from ringserve.gpu.layers.quant import INT4_GROUP_SIZE, check_method, quantize, quantized_linear
 from ringserve.gpu.native import panel as panel_native
 from ringserve.gpu.native.panel import PanelWeight
 
@@ -138,9 +144,9 @@ class ColumnParallelLinear(nn.Module):
         )
         self.packed: torch.Tensor | None = None
         self.panel: PanelWeight | None = None
-        # Rows loaded from a GGUF file's blocks of this layer's method, kept as they are (row
-        # offset, codes); `rows_as_is` counts them once quantized.
-        self._as_is: list[tuple[int, BlockCodes]] = []
+        # The parts of the weight as loaded (their GGUF tensors, whose codes a quantized
+        # layer keeps as they are); `rows_as_is` counts the rows that kept them.
+        self._parts: list[_Part] = []
         self.rows_as_is = 0
 
     def process_weights_after_loading(self) -> None:
@@ -154,9 +160,10 @@ class ColumnParallelLinear(nn.Module):
         Raises:
             ValueError: the shard's shape or device does not suit the quantization method.
         """
+        self.quantization, as_is, fine = _resolve(self)
         self.packed, self.panel, self.weight = _finish_weight(
-            self.weight, self.bias, self.quantization, self._as_is)
-        self.rows_as_is, self._as_is = sum(b.codes.shape[0] for _, b in self._as_is), []
+            self.weight, self.bias, self.quantization, as_is, int8_groups=fine)
+        self.rows_as_is = sum(b.codes.shape[0] for _, b in as_is)
 
     def _shard_index(self, shard_id: int) -> int:
         n = self.shard_ranks[shard_id]
@@ -177,16 +184,14 @@ class ColumnParallelLinear(nn.Module):
         full = size * self.shard_ranks[shard_id]
         check_shape(loaded, (full, _weight_shape(self)[1]) if name == "weight" else (full,))
         src = loaded.narrow(0, self._shard_index(shard_id) * size, size)
-        if name == "weight" and _keeps_gguf_codes(self, loaded):
-            blocks = gguf_codes.attached(loaded)
-            assert blocks is not None
-            self._as_is.append((self.offsets[shard_id],
-                                blocks.rows(self._shard_index(shard_id) * size, size)))
         if name == "weight" and _loads_into_panel(self):
             assert self.panel is not None
             panel_native.pack_rows(_library(), src, self.panel.data, self.offsets[shard_id])
             return
         param.data.narrow(0, self.offsets[shard_id], size).copy_(src)
+        if name == "weight":
+            self._parts.append(_Part(self.offsets[shard_id], self._shard_index(shard_id) * size,
+                                     size, False, _source(self, loaded)))
         if name == "bias":
             _sync_folded_bias(self)
 
@@ -219,16 +224,17 @@ class RowParallelLinear(nn.Module):
         )
         self.packed: torch.Tensor | None = None
         self.panel: PanelWeight | None = None
-        self._as_is: list[tuple[int, BlockCodes]] = []  # as in ColumnParallelLinear
+        self._parts: list[_Part] = []  # as in ColumnParallelLinear
         self.rows_as_is = 0
 
     def process_weights_after_loading(self) -> None:
         """See `ColumnParallelLinear.process_weights_after_loading` (the bias is folded into
         the panels at world size 1 only: with more ranks it is added after the reduction)."""
+        self.quantization, as_is, fine = _resolve(self)
         self.packed, self.panel, self.weight = _finish_weight(
             self.weight, self.bias if self.tp.world_size == 1 else None, self.quantization,
-            self._as_is)
-        self.rows_as_is, self._as_is = sum(b.codes.shape[0] for _, b in self._as_is), []
+            as_is, int8_groups=fine)
+        self.rows_as_is = sum(b.codes.shape[0] for _, b in as_is)
 
     def load(self, name: str, loaded: torch.Tensor, shard_id: int = 0) -> None:
         """Copy this rank's columns of the weight (or the whole bias)."""
@@ -244,16 +250,12 @@ class RowParallelLinear(nn.Module):
         check_shape(loaded, (out_features, self.local_in * self.tp.world_size))
         start = self.tp.rank * self.local_in
         shard = loaded.narrow(1, start, self.local_in)
-        if _keeps_gguf_codes(self, loaded):
-            blocks = gguf_codes.attached(loaded)
-            assert blocks is not None
-            columns = blocks.columns(start, self.local_in)  # None: a shard splits a group
-            self._as_is = [] if columns is None else [(0, columns)]
         if _loads_into_panel(self):
             assert self.panel is not None
             panel_native.pack_rows(_library(), shard, self.panel.data, 0)
             return
         self.weight.data.copy_(shard)
+        self._parts = [_Part(0, start, self.local_in, True, _source(self, loaded))]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """The full output, summed over the ranks."""
@@ -324,29 +326,73 @@ def check_shape(loaded: torch.Tensor, expected: tuple[int, ...]) -> None:
 
 
 def _checked_method(quantization: str | None) -> str | None:
-    if quantization is not None:
+    if quantization is not None and quantization != GGUF_MODE:
         check_method(quantization)
     return quantization
 
 
-def _keeps_gguf_codes(layer: ColumnParallelLinear | RowParallelLinear,
-                      loaded: torch.Tensor) -> bool:
-    """Whether `layer` takes the GGUF codes `loaded` carries (a float32 layer quantized by
-    the codes' method)."""
-    return (layer.quantization is not None and layer.weight.dtype == torch.float32
-            and gguf_codes.method_of(loaded) == layer.quantization)
+@dataclass(frozen=True)
+class _Part:
+    """One loaded part of a layer's weight: `size` rows (or, `columns`, input features) of a
+    checkpoint tensor from `start` on, at row `offset` of the layer's weight, and the GGUF
+    tensor it was read from (None: not a GGUF file)."""
+
+    offset: int
+    start: int
+    size: int
+    columns: bool
+    source: FileTensor | None
+
+    def codes(self, method: str) -> BlockCodes | None:
+        """This part's codes if its GGUF tensor holds codes of `method` (None: a shard of
+        input features that splits a group of 32, or no such codes)."""
+        if self.source is None or self.source.method != method:
+            return None
+        blocks = self.source.codes()
+        if blocks is None:
+            return None
+        if self.columns:
+            return blocks.columns(self.start, self.size)
+        return blocks.rows(self.start, self.size)
+
+
+def _source(layer: ColumnParallelLinear | RowParallelLinear, loaded: torch.Tensor
+            ) -> FileTensor | None:
+    """The GGUF tensor `loaded` came from, for a quantized layer (a float layer keeps none:
+    the source holds the tensor's bytes until the layer is processed)."""
+    return None if layer.quantization is None else gguf_codes.source_of(loaded)
+
+
+def _resolve(layer: ColumnParallelLinear | RowParallelLinear
+             ) -> tuple[str | None, list[tuple[int, BlockCodes]], bool]:
+    """(the layer's method, the rows that keep their GGUF codes, whether int8 rows without
+    codes are rounded per group of 32) once every part is loaded; forgets the parts. Codes
+    are kept by a float32 layer only (as they always were)."""
+    parts, layer._parts = layer._parts, []
+    method, fine = layer.quantization, False
+    if method == GGUF_MODE:
+        method = gguf_codes.layer_method(p.source.qtype if p.source else None for p in parts)
+        # Rounded from a finer source (Q6_K's scale per 16 inputs): a scale per group of 32.
+        fine = method == "int8" and layer.weight.shape[1] % INT4_GROUP_SIZE == 0
+    if method is None or layer.weight.dtype != torch.float32:
+        return method, [], fine
+    as_is = [(p.offset, codes) for p in parts if (codes := p.codes(method)) is not None]
+    return method, as_is, fine
 
 
 def _finish_weight(weight: nn.Parameter, bias: nn.Parameter | None, quantization: str | None,
-                   as_is: list[tuple[int, BlockCodes]] | None = None,
+                   as_is: list[tuple[int, BlockCodes]] | None = None, *,
+                   int8_groups: bool = False,
                    ) -> tuple[torch.Tensor | None, PanelWeight | None, nn.Parameter]:
     """(oneDNN's packed copy, the panels with `bias` folded in, the weight to keep) after
-    loading: panels for a quantized layer (rows in `as_is` keep their GGUF codes) and for
-    float32 CPU weights when the C library loads, oneDNN's copy otherwise (the plain weight is
-    dropped either way where possible)."""
+    loading: panels for a quantized layer (rows in `as_is` keep their GGUF codes, the others
+    are rounded, int8 per group of 32 with `int8_groups`) and for float32 CPU weights when the
+    C library loads, oneDNN's copy otherwise (the plain weight is dropped either way where
+    possible)."""
     empty = nn.Parameter(torch.empty(0, dtype=weight.dtype), requires_grad=False)
     if quantization is not None:
-        return None, quantize(weight.data, quantization, as_is or ()).with_bias(bias), empty
+        panel = quantize(weight.data, quantization, as_is or (), int8_groups=int8_groups)
+        return None, panel.with_bias(bias), empty
     if (weight.device.type == "cpu" and weight.dtype == torch.float32
             and panel_native.load_library() is not None):
         return None, panel_native.pack_f32(weight.data, bias), empty

@@ -67,12 +67,19 @@ def check_method(method: str) -> None:
                          f"{', '.join(QUANTIZATION_METHODS)}")
 
 
-def quantize_codes(weight: torch.Tensor, method: str) -> QuantCodes:
+def quantize_codes(weight: torch.Tensor, method: str, *, int8_groups: bool = False
+                   ) -> QuantCodes:
     """Round-to-nearest codes and scales of a float `[N, K]` weight.
 
+    Args:
+        weight: the float weight.
+        method: "int8" or "int4".
+        int8_groups: int8 with a scale per group of `INT4_GROUP_SIZE` inputs (max |w| / 127
+            over the group) instead of one per output channel.
+
     Raises:
-        ValueError: an unknown method, a weight that is not 2-D float, or (int4) K not a
-            multiple of `INT4_GROUP_SIZE`.
+        ValueError: an unknown method, a weight that is not 2-D float, or (int4, grouped
+            int8) K not a multiple of `INT4_GROUP_SIZE`.
     """
     check_method(method)
     if weight.dim() != 2 or not weight.dtype.is_floating_point:
@@ -80,6 +87,16 @@ def quantize_codes(weight: torch.Tensor, method: str) -> QuantCodes:
                          f"{list(weight.shape)}")
     w = weight.detach().float()
     n, k = w.shape
+    if method == "int8" and int8_groups:
+        if k % INT4_GROUP_SIZE:
+            raise ValueError(f"quantization int8: per-group scales need input features in "
+                             f"multiples of {INT4_GROUP_SIZE}, got {k}")
+        groups = w.reshape(n, k // INT4_GROUP_SIZE, INT4_GROUP_SIZE)
+        scale = groups.abs().amax(dim=-1) / 127.0
+        scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+        codes = torch.round(groups / scale[..., None]).clamp(-127, 127).to(torch.int8)
+        return QuantCodes("int8", codes.reshape(n, k), scale.to(weight.dtype), None,
+                          INT4_GROUP_SIZE)
     if method == "int8":
         # A zero row keeps scale 1 (its codes are all zero either way) to avoid 0 / 0.
         scale = w.abs().amax(dim=1) / 127.0
@@ -122,8 +139,8 @@ def pack(q: QuantCodes) -> PanelWeight:
 
 
 def quantize(weight: torch.Tensor, method: str,
-             as_is: Iterable[tuple[int, BlockCodes]] = (), *, grouped: bool = False
-             ) -> PanelWeight:
+             as_is: Iterable[tuple[int, BlockCodes]] = (), *, grouped: bool = False,
+             int8_groups: bool = False) -> PanelWeight:
     """`pack(quantize_codes(weight, method))`: what a linear layer keeps (add its bias with
     `PanelWeight.with_bias`, so the kernel adds it).
 
@@ -136,15 +153,18 @@ def quantize(weight: torch.Tensor, method: str,
             then keeps a scale per group of 32 inputs for every row).
         grouped: int8: per-group scales even without `as_is` (a weight update of such a
             layer, whose panels must keep their shape).
+        int8_groups: int8: round every row not in `as_is` on a scale of its own per group of
+            32 inputs (`quantize_codes`), not one per channel: a weight whose source had fine
+            scales (a GGUF Q6_K) keeps close to them.
 
     Raises:
         ValueError: as `quantize_codes`, a weight not on the CPU, or codes that do not fit.
     """
     if weight.device.type != "cpu":
         raise ValueError(f"quantization {method}: runs on CPU only (weight on {weight.device})")
-    q = quantize_codes(weight, method)
+    q = quantize_codes(weight, method, int8_groups=int8_groups and method == "int8")
     as_is = list(as_is)
-    if method == "int8" and (as_is or grouped):
+    if method == "int8" and (as_is or grouped) and q.scales.dim() == 1:
         q = _per_group(q)
     for row0, blocks in as_is:
         rows = blocks.codes.shape[0]

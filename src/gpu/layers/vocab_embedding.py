@@ -15,6 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ringserve.checkpoint import gguf_codes
+from ringserve.checkpoint.gguf_codes import GGUF_MODE, FileTensor
 from ringserve.gpu.layers.linear import (
     apply_linear,
     check_shape,
@@ -23,7 +25,7 @@ from ringserve.gpu.layers.linear import (
     repack,
 )
 from ringserve.gpu.layers.parallel import TPGroup
-from ringserve.gpu.layers.quant import quantize
+from ringserve.gpu.layers.quant import INT4_GROUP_SIZE, quantize
 from ringserve.gpu.native import panel as panel_native
 from ringserve.gpu.native.panel import PanelWeight
 
@@ -58,6 +60,10 @@ class VocabParallelEmbedding(nn.Module):
         # A tied LM head's float32 panels, which hold these rows: lookups read them there and
         # the embedding keeps no rows of its own (`read_from_panels`).
         self.panel_rows: PanelWeight | None = None
+        # With `record_source` (a quantized LM head reads this matrix), `load` keeps the GGUF
+        # tensor the matrix came from (`source`), whose codes the head may keep as they are.
+        self.record_source = False
+        self.source: FileTensor | None = None
 
     def load(self, name: str, loaded: torch.Tensor, shard_id: int = 0) -> None:
         """Copy this rank's vocabulary rows from the full checkpoint matrix (reading from a
@@ -69,6 +75,8 @@ class VocabParallelEmbedding(nn.Module):
         check_shape(loaded, (self.num_embeddings, self.embedding_dim))
         rows = self.vocab_end - self.vocab_start
         self.weight.data[:rows].copy_(loaded.narrow(0, self.vocab_start, rows))
+        if self.record_source:
+            self.source = gguf_codes.source_of(loaded)
         if self.on_load is not None:
             self.on_load()
 
@@ -118,25 +126,43 @@ class ParallelLMHead(VocabParallelEmbedding):
     head computes from float32 panels (`ringserve.gpu.native.panel`), else from a
     oneDNN-packed copy (`ringserve.gpu.layers.linear.repack`): it is the largest product of a
     decode step. With `quantization` it is quantized as the linear layers are (int8 / int4
-    panels, `ringserve.gpu.layers.quant`), as llama.cpp quantizes its output matrix; a tied
-    embedding then keeps its float rows for the lookups (with float32 panels it reads them
-    from the panels: `tie_panels`).
+    panels, `ringserve.gpu.layers.quant`), as llama.cpp quantizes its output matrix, keeping
+    the codes of a GGUF matrix of that method as they are ("gguf": the method its GGUF type
+    asks for, `gguf_codes.layer_method`); a tied embedding then keeps its float rows for the
+    lookups (with float32 panels it reads them from the panels: `tie_panels`).
     """
 
     packed: torch.Tensor | None = None
     panel: PanelWeight | None = None
+    rows_as_is = 0  # vocabulary rows whose panels hold the GGUF file's codes
 
     def __init__(self, num_embeddings: int, embedding_dim: int, *, tp: TPGroup,
                  dtype: torch.dtype, quantization: str | None = None) -> None:
         super().__init__(num_embeddings, embedding_dim, tp=tp, dtype=dtype)
         self.quantization = quantization
+        self.record_source = quantization is not None
 
-    def process_weights_after_loading(self, *, keep_weight: bool) -> None:
+    def process_weights_after_loading(self, *, keep_weight: bool,
+                                      tied_to: VocabParallelEmbedding | None = None) -> None:
         """Pack the loaded weight (once, after loading); drop the plain copy unless
-        `keep_weight` (a tied head shares it with the embedding)."""
+        `keep_weight` (a tied head shares it with the embedding, `tied_to`, which loaded
+        the matrix and holds its GGUF source: set its `record_source` before loading)."""
         weight = self.weight
+        loader = self if tied_to is None else tied_to
+        source, loader.source = loader.source, None
+        by_type = self.quantization == GGUF_MODE
+        if by_type:
+            self.quantization = gguf_codes.layer_method([source.qtype if source else None])
         if self.quantization is not None:
-            self.panel = quantize(weight.data, self.quantization)
+            codes = (source.codes() if source is not None and weight.dtype == torch.float32
+                     and source.method == self.quantization else None)
+            rows = self.vocab_end - self.vocab_start
+            as_is = [] if codes is None else [(0, codes.rows(self.vocab_start, rows))]
+            # As the linears under "gguf": int8 rounded from a finer type, per group of 32.
+            fine = (by_type and self.quantization == "int8"
+                    and self.embedding_dim % INT4_GROUP_SIZE == 0)
+            self.panel = quantize(weight.data, self.quantization, as_is, int8_groups=fine)
+            self.rows_as_is = rows if as_is else 0
         elif (weight.device.type == "cpu" and weight.dtype == torch.float32
                 and panel_native.load_library() is not None):
             self.panel = panel_native.pack_f32(weight.data)

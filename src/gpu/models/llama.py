@@ -230,6 +230,8 @@ class LlamaForCausalLM(nn.Module):
                                       quantization=spec.quantization)
         if spec.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+            # The embedding loads the matrix: it keeps the GGUF codes the head may take.
+            self.model.embed_tokens.record_source = spec.quantization is not None
 
     @classmethod
     def from_config(
@@ -266,7 +268,9 @@ class LlamaForCausalLM(nn.Module):
         for module in self.modules():
             if isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
                 module.process_weights_after_loading()
-        self.lm_head.process_weights_after_loading(keep_weight=self.spec.tie_word_embeddings)
+        tied = self.spec.tie_word_embeddings
+        self.lm_head.process_weights_after_loading(
+            keep_weight=tied, tied_to=self.model.embed_tokens if tied else None)
         if self.spec.tie_word_embeddings:
             self.lm_head.tie_panels(self.model.embed_tokens)
 

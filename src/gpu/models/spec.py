@@ -40,7 +40,8 @@ class DecoderSpec:
         sliding_window: every layer attends to this many most recent positions only (Phi-3);
             None: full attention. Families with per-layer windows (Gemma) set it per layer.
         quantization: the weight-only quantization ("int8", "int4") of the linear layers
-            and the LM head, or None; the embedding stays float.
+            and the LM head, "gguf" (each on the panels of its GGUF tensors' codes), or None;
+            the embedding stays float.
     """
 
     vocab_size: int
