@@ -61,6 +61,11 @@ def _serve(ns: argparse.Namespace) -> int:
     engine_args = EngineArgs.from_cli_args(ns)
     engine_args.verify()  # flag mistakes before any model is read
     check_serve_args(ns)
+    cluster = cluster_from_args(ns)
+    if not cluster.headless:
+        # A port in use is one line before any model is read (and before the dtype line):
+        # the real bind follows, after the config is built.
+        server.open_listener(ns.host, ns.port).close()
     notes = no_effect_lines(ns)
     # Before the config is built: it logs the dtype and weight format chosen, and why.
     server.configure_logging()
@@ -69,7 +74,6 @@ def _serve(ns: argparse.Namespace) -> int:
     apply_server_log_level(ns.uvicorn_log_level)
     engine_config = engine_args.create_engine_config()
     settings = settings_from_args(ns, engine_config)
-    cluster = cluster_from_args(ns)
     try:
         if cluster.scaled_out(engine_config):
             from ringserve.http.scaleout import serve_scaled_out

@@ -12,6 +12,14 @@ Every process ringserve starts (engine cores, workers) calls `install_lifeline` 
 
 The parent side is `Lifeline.create()`: pass `child_fd` to the child (`pass_fds`), keep the
 write end, and close it (or die) to end the child.
+
+Stopping: a parent stops its child with `STOP_SIGNAL`, never with SIGTERM or SIGINT. Those two
+reach every process at once when the whole process group or cgroup is signalled (a terminal's
+Ctrl-C, `kill 0`, systemd's default `KillMode=control-group`, container runtimes), and a child
+that died of them would die under its parent's drain (the server would see its engine core
+die and fail the streams it was finishing). So every child calls `ignore_group_signals()`:
+its parent, having drained, stops it in order, and the lifeline still ends it if the parent
+dies.
 """
 
 from __future__ import annotations
@@ -24,6 +32,13 @@ import threading
 from dataclasses import dataclass
 
 _PR_SET_PDEATHSIG = 1
+
+STOP_SIGNAL = signal.SIGUSR2
+"""The signal a parent sends its child to stop it (see the module docstring). Nothing signals
+a whole group or cgroup with it."""
+
+GROUP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+"""What a stop of the whole group or cgroup sends: a child ignores them."""
 
 
 @dataclass
@@ -74,6 +89,21 @@ def set_parent_death_signal(sig: int = signal.SIGKILL) -> None:
     if libc.prctl(_PR_SET_PDEATHSIG, int(sig), 0, 0, 0) != 0:
         err = ctypes.get_errno()
         raise OSError(err, f"prctl(PR_SET_PDEATHSIG) failed: {os.strerror(err)}")
+
+
+def ignore_group_signals() -> None:
+    """Ignore SIGTERM and SIGINT in this child process: its parent stops it (`STOP_SIGNAL`).
+
+    A Python handler that does nothing rather than `SIG_IGN`, which `exec` would hand down to
+    the processes this one starts (Ray's, compile workers) and so keep their owners' SIGTERM
+    from stopping them.
+    """
+    for signum in GROUP_SIGNALS:
+        signal.signal(signum, _ignore)
+
+
+def _ignore(signum: int, frame: object) -> None:
+    """A group's SIGTERM / SIGINT: the parent decides when this process stops."""
 
 
 def install_lifeline(lifeline_fd: int | None, expected_parent: int, title: str | None = None) -> None:

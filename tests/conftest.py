@@ -45,6 +45,11 @@ LONG = {
         "test_http_server.py::test_engine_death_ends_streams_then_exits_one",
     "tests/scripts/test_rl_loop_example.py": "test_weight_sync.py",
     "tests/test_cli.py::test_demo_model_writes_a_loadable_directory": "the demo fixtures",
+    "tests/http/test_http_group_stop.py::test_group_signal_repeated":
+        "test_group_signal_drains_and_exits_zero (each stop once)",
+    "tests/http/test_http_group_stop.py::"
+    "test_scaled_out_deployment_stops_cleanly_when_every_process_is_signalled":
+        "test_group_signal_drains_and_exits_zero (the one-process server)",
     "tests/http/test_http_server.py::test_sigterm_drains_then_exits_zero[sigint-to-group]":
         "its [sigterm] case",
     "tests/engine/structured/test_constrained_generation.py::test_async_and_sync_scheduling_agree":

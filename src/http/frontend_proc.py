@@ -5,8 +5,11 @@ engine configuration, the serving settings and the `ClusterTopology` as msgpack 
 the shared listening socket as an inherited descriptor. It titles itself
 `ringserve::APIServer_<i>`, holds a lifeline to the supervisor, and runs what a one-process
 `ringserve serve` runs (`ringserve.http.server.serve`: hypercorn + `AsyncLLM` under one
-nursery), its `AsyncLLM` attached to the deployment's cores as client `i`. SIGTERM drains
-it as it drains a one-process server. Exit status: 0 after a signal, `ENGINE_DEAD` when the
+nursery), its `AsyncLLM` attached to the deployment's cores as client `i`. The supervisor's
+stop signal (`lifeline.STOP_SIGNAL`) drains it as SIGTERM drains a one-process server;
+SIGTERM and SIGINT themselves are ignored: a stop of the whole process group or cgroup
+(systemd) reaches this process as well as its supervisor, which drains it (a second stop
+would cut its streams off). Exit status: 0 after a signal, `ENGINE_DEAD` when the
 engine died and `STARTUP_FAILED` when a core reported it could not start (the supervisor then
 stops the deployment), 1 for anything else (it is restarted).
 """
@@ -15,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import signal
 import socket
 import sys
 
@@ -27,7 +29,7 @@ from ringserve.engine.cluster.wire import ClusterTopology
 from ringserve.engine.errors import EngineDeadError, EngineStartupError
 from ringserve.engine.frontend.attached_client import Attachment
 from ringserve.http.settings import ServeSettings
-from ringserve.lifeline import install_lifeline
+from ringserve.lifeline import STOP_SIGNAL, ignore_group_signals, install_lifeline
 
 ENGINE_DEAD = 3
 STARTUP_FAILED = 4
@@ -59,7 +61,8 @@ def main(argv: list[str] | None = None) -> int:
     sock.set_inheritable(False)
     attach = Attachment(init.topology, ns.client_index, auth)
     try:
-        server.serve(init.config, init.settings, sock=sock, attach=attach)
+        server.serve(init.config, init.settings, sock=sock, attach=attach,
+                     stop_signals=(STOP_SIGNAL,))
     except EngineDeadError as exc:
         print(f"ringserve: API server {ns.client_index}: the engine died: {exc}",
               file=sys.stderr)
@@ -73,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the group: the supervisor decides
+    ignore_group_signals()  # they reach the group or cgroup: the supervisor decides
     code = main()
     sys.stdout.flush()
     sys.stderr.flush()

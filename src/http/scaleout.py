@@ -14,10 +14,11 @@ nursery:
   attached to every core; one that dies is restarted (`RestartBudget`) without touching the
   cores or its siblings' streams (the cores abort the dead one's requests). Each accepts
   only once every core has greeted it;
-* SIGTERM / SIGINT: every frontend drains (SIGTERM to each; they stop admitting and finish
-  their streams within `--shutdown-timeout`), then the cores stop. A second signal kills
-  the frontends at once. Every child holds a lifeline to this process: a SIGKILL of the
-  supervisor leaves no orphan.
+* SIGTERM / SIGINT: every frontend drains (`lifeline.STOP_SIGNAL` to each; they stop
+  admitting and finish their streams within `--shutdown-timeout`), then the cores stop. A
+  second signal kills the frontends at once. Every child holds a lifeline to this process: a
+  SIGKILL of the supervisor leaves no orphan, and ignores SIGTERM and SIGINT: a stop of the
+  whole process group (or cgroup) is this process's to carry out, in that order.
 
 `/metrics`: the frontends write their families to files in one directory
 (`PROMETHEUS_MULTIPROC_DIR`, the run directory's `metrics/`), and any frontend's `/metrics`
@@ -245,7 +246,7 @@ class Deployment:
                     scope.cancel()
 
     async def _stop_frontends(self, scope: trio.CancelScope) -> None:
-        """SIGTERM every frontend, wait for them to drain, then end the tree."""
+        """Stop every frontend (STOP_SIGNAL), wait for them to drain, then end the tree."""
         if self.stopping:
             return
         self.stopping = True

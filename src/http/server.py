@@ -36,7 +36,7 @@ from ringserve.engine.frontend.ipc_dir import cleanup_stale_ipc_dirs
 from ringserve.errors import RingserveError
 from ringserve.http.app import build_app
 from ringserve.http.settings import ServerState, ServeSettings
-from ringserve.http.supervisor import Supervisor
+from ringserve.http.supervisor import STOP_SIGNALS, Supervisor
 from ringserve.shm import cleanup_stale
 
 logger = logging.getLogger(__name__)
@@ -53,7 +53,8 @@ _REPORTABLE: tuple[type[BaseException], ...] = (
 
 def serve(engine_config: EngineConfig, settings: ServeSettings,
           app_factory: AppFactory | None = None, *, sock: socket.socket | None = None,
-          attach: Attachment | None = None) -> None:
+          attach: Attachment | None = None,
+          stop_signals: tuple[int, ...] = STOP_SIGNALS) -> None:
     """Serve until SIGINT/SIGTERM (returns) or a failure (raises).
 
     Args:
@@ -65,6 +66,8 @@ def serve(engine_config: EngineConfig, settings: ServeSettings,
         attach: serve as a frontend of a scaled-out deployment (`ringserve.http.scaleout`),
             over cores its supervisor started; this frontend accepts connections only once
             every core has greeted it, so its siblings serve meanwhile.
+        stop_signals: the signals that stop the server (default SIGINT and SIGTERM; a
+            frontend of a scaled-out deployment: its supervisor's `lifeline.STOP_SIGNAL`).
 
     Raises:
         OSError: the address cannot be bound (in use, not local), or TLS files cannot be read.
@@ -85,7 +88,8 @@ def serve(engine_config: EngineConfig, settings: ServeSettings,
     if attach is None:
         _clean_stale()  # a scaled-out deployment's supervisor did it
     try:
-        trio.run(_serve_async, engine, settings, factory, config, attach is not None)
+        trio.run(_serve_async, engine, settings, factory, config, attach is not None,
+                 stop_signals)
     except BaseExceptionGroup as group:
         reported = pick_error(group)
         if reported is group:
@@ -111,10 +115,12 @@ def _clean_stale() -> None:
 
 
 async def _serve_async(engine: AsyncLLM, settings: ServeSettings, factory: AppFactory,
-                       config: Any, engine_first: bool) -> None:
+                       config: Any, engine_first: bool, stop_signals: tuple[int, ...]) -> None:
     state = ServerState()
     app = factory(engine, settings, state)
-    await Supervisor(engine, settings, state, engine_first=engine_first).run(app, config)
+    supervisor = Supervisor(engine, settings, state, engine_first=engine_first,
+                            stop_signals=stop_signals)
+    await supervisor.run(app, config)
 
 
 def open_listener(host: str, port: int) -> socket.socket:

@@ -15,6 +15,12 @@ turns true and `/health` answers 200. The first signal starts a graceful stop:
 A second signal skips what is left of the wait and cancels the tree. A signal that arrives
 while the engine is still starting cancels the tree at once (there is nothing to drain).
 
+A stop of the whole process group (a terminal's Ctrl-C, `kill 0`, systemd, container runtimes)
+reaches the engine cores and their workers too: they ignore SIGTERM and SIGINT, and `shutdown`
+stops them with the parent's own signal (`ringserve.lifeline.STOP_SIGNAL`) once the drain is
+over. An API server of a scaled-out deployment listens for that signal alone (its supervisor
+drains it); it ignores SIGTERM and SIGINT likewise.
+
 An engine core that reports a fault but may recover (UNHEALTHY: fault tolerance is on and it
 waits for a `retry`/`abort` instruction, `ringserve.http.fault_tolerance`) does not stop the
 server: `/health` and new `/v1` requests answer 503 until it is healthy again. Neither does
@@ -60,11 +66,15 @@ class Supervisor:
         state: the state shared with the app (readiness, draining, in-flight count).
         engine_first: start the engine before hypercorn accepts (a frontend of a scaled-out
             deployment: its siblings take the connections until it is ready).
+        stop_signals: the signals that stop the server (a frontend of a scaled-out
+            deployment: its supervisor's `STOP_SIGNAL`).
     """
 
     def __init__(self, engine: AsyncLLM, settings: ServeSettings, state: ServerState, *,
-                 engine_first: bool = False) -> None:
+                 engine_first: bool = False,
+                 stop_signals: tuple[int, ...] = STOP_SIGNALS) -> None:
         self.engine = engine
+        self.stop_signals = stop_signals
         self.engine_first = engine_first
         self.settings = settings
         self.state = state
@@ -171,7 +181,7 @@ class Supervisor:
             self._root.cancel()
 
     async def _watch_signals(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
-        with trio.CancelScope() as scope, trio.open_signal_receiver(*STOP_SIGNALS) as signals:
+        with trio.CancelScope() as scope, trio.open_signal_receiver(*self.stop_signals) as signals:
             task_status.started(scope)
             async for signum in signals:
                 self.request_stop(signum)

@@ -15,6 +15,9 @@ one step. Frontends also take the same figures from the output batches they rece
 count what they sent since the last report, so a burst sent between two reports is not all
 routed to the same core. This works with `--disable-log-stats`: cores always publish the
 queue lengths routing needs.
+
+The supervisor stops it with `lifeline.STOP_SIGNAL` (it exits 0 at once); SIGTERM and SIGINT,
+which a stop of the whole process group sends every process, are ignored.
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ import zmq
 from ringserve import envs
 from ringserve.engine.cluster.auth import ClusterAuth
 from ringserve.engine.cluster.wire import EngineLoad, LoadReport
-from ringserve.lifeline import install_lifeline
+from ringserve.lifeline import STOP_SIGNAL, ignore_group_signals, install_lifeline
 
 logger = logging.getLogger(__name__)
 
@@ -146,12 +149,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--parent-pid", type=int, required=True)
     ns = parser.parse_args(argv)
     install_lifeline(ns.lifeline_fd, ns.parent_pid, "ringserve::DPCoordinator")
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the supervisor stops it
+    ignore_group_signals()  # the supervisor stops it, after the frontends have drained
     from ringserve.engine.cluster.auth import ClusterAuth
 
     auth = ClusterAuth.load(envs.cluster_secret_file())
     coordinator = Coordinator(ns.data_parallel_size, ns.input_addr, ns.publish_addr, auth)
-    signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
+    signal.signal(STOP_SIGNAL, lambda *_: os._exit(0))
     coordinator.run()
     return 0
 

@@ -1,8 +1,9 @@
 """The engine-core process's entry point: `python -m ringserve.engine.core.core_main`.
 
 Started by a multiprocess client (`mp_client.CoreProcess`); parses the launch flags, installs
-the lifeline and signal handlers (SIGTERM ends the loop and exits 0, SIGUSR1 is the output
-thread's death, SIGINT is ignored), reads the `EngineConfig` (msgpack on stdin), picks the
+the lifeline and signal handlers (the parent's `lifeline.STOP_SIGNAL` ends the loop and exits
+0, SIGUSR1 is the output thread's death, SIGTERM and SIGINT are ignored: a stop of the whole
+process group must not end the core under the server's drain), reads the `EngineConfig` (msgpack on stdin), picks the
 executor (the real one, or a null one for tests and benchmarks), and runs
 `core_proc.EngineCoreProc` under the fault sentinel until shutdown. The process then leaves
 with `os._exit` (every thread and socket is closed by then: no interpreter teardown).
@@ -25,11 +26,12 @@ from ringserve.engine.cluster.wire import STARTUP_FAILED_STATUS, ClusterTopology
 from ringserve.engine.core.core_proc import EngineCoreProc, OutputThreadDied, raise_output_died
 from ringserve.engine.core.sentinel import FaultSentinel
 from ringserve.gpu.executor.base import Executor
-from ringserve.lifeline import install_lifeline
+from ringserve.lifeline import STOP_SIGNAL, ignore_group_signals, install_lifeline
 
 
 class _Shutdown(BaseException):
-    """Raised in the main thread by SIGTERM (not an Exception: no fault handler catches it)."""
+    """Raised in the main thread by the parent's stop signal (not an Exception: no fault
+    handler catches it)."""
 
 
 def _raise_shutdown(signum: int, frame: Any) -> None:
@@ -75,11 +77,12 @@ def main(argv: list[str] | None = None) -> int:
                         help="send the ready handshake no earlier than this time.monotonic()")
     ns = parser.parse_args(argv)
     install_lifeline(ns.lifeline_fd, ns.parent_pid, f"ringserve::EngineCore_DP{ns.engine_index}")
-    signal.signal(signal.SIGTERM, _raise_shutdown)
+    signal.signal(STOP_SIGNAL, _raise_shutdown)
     signal.signal(signal.SIGUSR1, raise_output_died)
-    # Ctrl-C in a terminal reaches the whole process group; the parent decides when this core
-    # stops (SIGTERM, or the lifeline), so a draining server keeps its engine.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # Ctrl-C in a terminal, systemd and `kill 0` signal the whole process group (or cgroup);
+    # the parent decides when this core stops (STOP_SIGNAL, or the lifeline), so a draining
+    # server keeps its engine.
+    ignore_group_signals()
     config = msgspec.msgpack.decode(sys.stdin.buffer.read(), type=EngineConfig)
     executor_class = _executor_class(ns.executor)
     topology = (msgspec.msgpack.decode(bytes.fromhex(ns.topology), type=ClusterTopology)
@@ -112,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
         proc.fail_all(exc)
         status = 1
     finally:
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second SIGTERM must not cut close()
+        signal.signal(STOP_SIGNAL, signal.SIG_IGN)  # a second stop must not cut close()
         proc.close()
     return status
 

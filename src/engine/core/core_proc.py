@@ -18,9 +18,9 @@ the output thread without waiting. An exception in a step is an engine fault, ha
 fault sentinel (`sentinel.py`, which runs the busy loop): with fault tolerance on the core
 reports UNHEALTHY and waits for a retry/abort instruction; with it off, or when no instruction
 comes in time, every in-flight request ends with finish reason error, a dead notice (utility
-call id -1) is sent, and the process exits with status 1. SIGTERM ends the loop and exits 0;
-SIGINT is ignored (a terminal's Ctrl-C reaches the whole process group, and the parent stops
-the core itself).
+call id -1) is sent, and the process exits with status 1. The parent's stop signal (`lifeline.STOP_SIGNAL`) ends the
+loop and exits 0; SIGTERM and SIGINT are ignored (a terminal's Ctrl-C, systemd and `kill 0`
+reach the whole process group, and the parent stops the core itself, after its drain).
 """
 
 from __future__ import annotations
@@ -60,6 +60,7 @@ from ringserve.engine.wire import (
 )
 from ringserve.gpu.executor.base import Executor
 from ringserve.gpu.executor.errors import ExecutorError
+from ringserve.lifeline import STOP_SIGNAL
 
 logger = logging.getLogger(__name__)
 
@@ -306,10 +307,11 @@ class EngineCoreProc:
                                    wake=lambda: self.input_queue.put(_WAKE))
             self.join_lockstep()
         except Exception as exc:  # reported to the frontend, which raises it
-            # This process ends by itself now: the frontend's SIGTERM, which follows the reply,
-            # must not raise at an arbitrary point of the teardown (inside a GC callback it
-            # printed "Exception ignored ... _Shutdown" (core_main's) under the one-line error).
-            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+            # This process ends by itself now: the frontend's stop signal, which follows the
+            # reply, must not raise at an arbitrary point of the teardown (inside a GC callback
+            # it printed "Exception ignored ... _Shutdown" (core_main's) under the one-line
+            # error).
+            signal.signal(STOP_SIGNAL, signal.SIG_IGN)
             self.start_error = describe(exc)
             self.broadcast(HandshakeReply(ready=False, error=describe(exc),
                                           engine_index=self.engine_index, pid=os.getpid()))

@@ -99,6 +99,7 @@ class AsyncLLM(AsyncRLMethods, AsyncElasticDPMethods):
         self._ids = itertools.count()
         self._stop: trio.CancelScope | None = None
         self._errored: BaseException | None = None
+        self._shut_down = False  # shutdown() was called: what dies from now on is its doing
         self._nursery_cm: Any = None
         self._nursery: trio.Nursery | None = None  # run()'s: background fault instructions
         self._stat_logger_factories = stat_loggers
@@ -115,8 +116,8 @@ class AsyncLLM(AsyncRLMethods, AsyncElasticDPMethods):
     async def run(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
         """Start the cores, report ready, then run the output handler until shutdown.
 
-        Returns when `shutdown()` is called; raises EngineDeadError if a core dies (after
-        failing every pending request with it).
+        Returns when `shutdown()` is called; raises EngineDeadError if a core dies before
+        that (after failing every pending request with it).
         """
         if self.attach is not None:
             attach = self.attach
@@ -182,6 +183,7 @@ class AsyncLLM(AsyncRLMethods, AsyncElasticDPMethods):
 
     def shutdown(self) -> None:
         """Stop the output handler and the cores; pending requests get EngineDeadError."""
+        self._shut_down = True
         if self.client is not None and self.client.dead is None:
             self.client.mark_dead("the engine was shut down")
         self.output_processor.propagate_error(EngineDeadError("the engine was shut down"))
@@ -229,7 +231,12 @@ class AsyncLLM(AsyncRLMethods, AsyncElasticDPMethods):
             client.request_finished(rid)
 
     def _fail_all(self, error: EngineDeadError) -> None:
-        self._errored = self._errored or error
+        # After shutdown() a core's death, or the output handler meeting the client it marked
+        # dead, is the shutdown itself: `run` returns. They can still be seen when they were
+        # woken in the same scheduling batch as the shutdown, before its cancellation (a stop
+        # of the whole process group used to end the core at that very moment).
+        if not self._shut_down:
+            self._errored = self._errored or error
         if self.stat_loggers is not None:
             self.stat_loggers.record_health(False)
         self.output_processor.propagate_error(error)

@@ -44,7 +44,7 @@ from ringserve.engine.wire import (
     HandshakeReply,
     UtilityCall,
 )
-from ringserve.lifeline import Lifeline, peek_exit_status
+from ringserve.lifeline import STOP_SIGNAL, Lifeline, peek_exit_status
 from ringserve.serial import MsgpackDecoder, MsgpackEncoder
 
 logger = logging.getLogger(__name__)
@@ -124,14 +124,16 @@ class ChildProcess:
         return f"exited with status {code}"
 
     def signal_stop(self) -> None:
-        """SIGTERM without waiting (stopping several cores at once: `terminate` then waits)."""
+        """Send the stop signal without waiting (stopping several cores at once: `terminate`
+        then waits). `lifeline.STOP_SIGNAL`, not SIGTERM: the child ignores the SIGTERM that a
+        stop of the whole process group sends it, so that it outlives its parent's drain."""
         if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
+            self.proc.send_signal(STOP_SIGNAL)
 
     def terminate(self, timeout: float = 10.0) -> None:
-        """SIGTERM, wait up to `timeout`, then SIGKILL; cuts the lifeline; idempotent."""
+        """The stop signal, wait up to `timeout`, then SIGKILL; cuts the lifeline; idempotent."""
         if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
+            self.proc.send_signal(STOP_SIGNAL)
             try:
                 self.proc.wait(timeout)
             except subprocess.TimeoutExpired:

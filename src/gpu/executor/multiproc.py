@@ -68,7 +68,7 @@ from ringserve.gpu.executor.wire import (
     read_buffers,
     write_message,
 )
-from ringserve.lifeline import Lifeline, peek_exit_status
+from ringserve.lifeline import STOP_SIGNAL, Lifeline, peek_exit_status
 from ringserve.shm import (
     CorruptFrameError,
     PeerDiedError,
@@ -86,7 +86,7 @@ _PEER_DEATH_WAIT_S = 0.5
 
 WORKER_MODULE = "ringserve.gpu.executor.worker_proc"
 ATTACH_TIMEOUT_S = 30.0  # workers attach before importing torch; this only bounds a broken start
-SHUTDOWN_GRACE_S = 2.0  # after the shutdown frame, before SIGTERM
+SHUTDOWN_GRACE_S = 2.0  # after the shutdown frame, before the stop signal
 READ_TICK_S = 0.5  # a reader thread re-checks the stop flag this often (a fallback only)
 
 
@@ -325,9 +325,11 @@ class MultiprocExecutor(RemoteWorkersExecutor):
     def shutdown(self) -> None:
         """Stop the workers, join, close; idempotent.
 
-        Idle workers get a shutdown frame, then SIGTERM, then SIGKILL. After a fault, or with a
-        step or call still unanswered (a hung or dead worker), they are killed at once: nothing
-        in them is worth waiting for, and a stopped process ignores the frame and SIGTERM.
+        Idle workers get a shutdown frame, then the stop signal (`lifeline.STOP_SIGNAL`: they
+        ignore SIGTERM, which a stop of the whole process group sends them), then SIGKILL.
+        After a fault, or with a step or call still unanswered (a hung or dead worker), they
+        are killed at once: nothing in them is worth waiting for, and a stopped process
+        ignores the frame and the stop signal.
         """
         if self._closed:
             return
@@ -378,7 +380,7 @@ class MultiprocExecutor(RemoteWorkersExecutor):
             try:
                 proc.wait(timeout=max(0.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
-                proc.terminate()
+                proc.send_signal(STOP_SIGNAL)
         for proc in procs:
             try:
                 proc.wait(timeout=1.0)

@@ -18,6 +18,10 @@ serve the broadcast ring until a shutdown frame or the executor's death:
   the same way); the grammar bitmask that may follow such a step answers nothing;
 * `SHUTDOWN`: close both rings and exit 0.
 
+Signals: SIGTERM and SIGINT are ignored (`lifeline.ignore_group_signals`: a stop of the whole
+process group must not end a worker under the server's drain); the executor's stop signal
+(`lifeline.STOP_SIGNAL`, its fallback after the shutdown frame) ends the process at once.
+
 Every frame is decoded and released before the work starts, so the executor can queue the
 next step while this one runs (async scheduling). A frame that does not decode as the type its
 kind names (or an unknown kind, or an invalid ring header) is logged to stderr (rate-limited)
@@ -29,7 +33,6 @@ execute-model timeout).
 from __future__ import annotations
 
 import os
-import signal
 import sys
 import traceback
 from typing import Any
@@ -46,7 +49,7 @@ from ringserve.gpu.executor.wire import (
 )
 from ringserve.gpu.executor.worker_calls import reply_to, step_reply
 from ringserve.gpu.wire import SchedulerOutput
-from ringserve.lifeline import install_lifeline
+from ringserve.lifeline import ignore_group_signals, install_lifeline
 from ringserve.serial import MsgpackEncoder
 from ringserve.shm import CorruptFrameError, PeerDiedError, RingClosedError, RingReader, RingWriter
 
@@ -156,8 +159,9 @@ def main() -> int:
     raw = sys.stdin.buffer.read()
     spec = msgspec.msgpack.decode(raw, type=WorkerSpec)
     install_lifeline(spec.lifeline_fd, spec.parent_pid, f"ringserve::Worker_TP{spec.rank}")
-    # A terminal's Ctrl-C reaches the whole process group; the executor stops its workers.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # A terminal's Ctrl-C, systemd and `kill 0` signal the whole process group (or cgroup);
+    # the executor stops its workers (the shutdown frame, then STOP_SIGNAL's default action).
+    ignore_group_signals()
     try:
         serve(spec)
     except (PeerDiedError, RingClosedError):
