@@ -23,7 +23,9 @@ absent).
 Rows, at each batch B (B concurrent streams, `--prompt-len` prompt tokens each, greedy,
 end of sequence ignored; every side's output token counts are checked):
 - ringserve (`LLM` in process; its engine core process gets OMP_NUM_THREADS = --threads) in
-  float32, int8 and int4 (`quantization=`), each with the captured decode step (the default;
+  float32, int8 and int4 (`quantization=`), bf16 (the same weights saved as a bf16
+  checkpoint, `--dtype auto`: bf16 panels, float32 compute) and bf16-compute (that checkpoint
+  with `dtype="bfloat16"`), each with the captured decode step (the default;
   `cuda_graph_sizes` = the benchmarked batches unless --cuda-graph-sizes says otherwise; the
   default ladder reaches 512, capped by max_num_seqs) and with `enforce_eager=True`. ms per token = (time
   of `generate` at max_tokens N - time at 1) / (N - 1), the prompts prefix-cached by a
@@ -49,7 +51,7 @@ is bound / measured; "vs llama" is llama-server's ms (same precision: F32 ~ floa
 int8, Q4_1 ~ int4) over the row's ms, > 1 meaning faster than llama-server.
 
     .venv/bin/python scripts/bench_decode.py [--threads 2] [--batches 1 8 32 64] [--tokens 32]
-        [--runs 3] [--only ringserve|llama|hf ...] [--quant float32 int8 int4]
+        [--runs 3] [--only ringserve|llama|hf ...] [--quant float32 bf16 bf16-compute int8 int4]
         [--cuda-graph-sizes ...] [--build-only]
 """
 
@@ -85,8 +87,13 @@ WORK = CACHE / "bench_decode"
 BUILD = CACHE / "llama.cpp-build"
 SEED = 0
 INIT_STD = 0.02
-QUANTS = ("float32", "int8", "int4")
-GGUF_TYPE = {"float32": "F32", "int8": "Q8_0", "int4": "Q4_1"}
+# "bf16": the same weights saved as a bf16 checkpoint, served as `--dtype auto` serves it on
+# CPU (bf16 panels, float32 compute); "bf16-compute": that checkpoint with --dtype bfloat16
+# (torch's bf16 matmuls, bf16 activations and KV cache).
+QUANTS = ("float32", "bf16", "bf16-compute", "int8", "int4")
+BF16 = ("bf16", "bf16-compute")
+GGUF_TYPE = {"float32": "F32", "bf16": "BF16", "bf16-compute": "BF16", "int8": "Q8_0",
+             "int4": "Q4_1"}
 TARGETS = ("llama-server", "llama-quantize")
 CMAKE_FLAGS = ("-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=ON", "-DBUILD_SHARED_LIBS=OFF",
                # No downloads at build time (no hub here) and no TLS: a localhost server.
@@ -222,6 +229,25 @@ def model_dir() -> Path:
     return out
 
 
+def bf16_model_dir() -> Path:
+    """`model_dir()`'s model saved in bf16 (config.json says bfloat16), built once."""
+    out = WORK / "smol-135m-random-bf16"
+    if (out / "model.safetensors").is_file():
+        return out
+    import torch
+    from transformers import LlamaForCausalLM
+
+    source = model_dir()
+    log(f"writing the bf16 model directory {out}")
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    shutil.copytree(source, tmp, ignore=shutil.ignore_patterns("*.safetensors", "config.json"))
+    model = LlamaForCausalLM.from_pretrained(str(source), dtype=torch.float32)
+    model.to(torch.bfloat16).save_pretrained(str(tmp))
+    tmp.rename(out)
+    return out
+
+
 def gguf_models(model: Path, quants: list[str], threads: int) -> dict[str, Path]:
     """The model as GGUF per ringserve precision (F32 converted, then quantized), built once."""
     src, out = llama_source(), WORK / "gguf"
@@ -276,12 +302,14 @@ def ringserve_weight_bytes(quant: str, batch: int) -> int:
     gen = torch.Generator().manual_seed(SEED)
     if quant == "float32":
         linears = sum(4 * n * k for n, k in shapes)
+    elif quant in BF16:
+        linears = sum(2 * n * k for n, k in shapes)
     else:
         linears = sum(nbytes(quantize(torch.randn(n, k, generator=gen) * INIT_STD, quant))
                       for n, k in shapes)
     norms = (2 * s["num_hidden_layers"] + 1) * h * 4
-    head = s["vocab_size"] * h * 4
-    if quant != "float32":
+    head = s["vocab_size"] * h * (2 if quant in BF16 else 4)
+    if quant not in ("float32", *BF16):
         head = nbytes(quantize(torch.randn(s["vocab_size"], h, generator=gen) * INIT_STD, quant))
     return int(s["num_hidden_layers"] * linears + norms + head + batch * h * 4)
 
@@ -307,7 +335,11 @@ def ringserve_engine(model: Path, quant: str, eager: bool, args: argparse.Namesp
     kw: dict[str, Any] = {"device": "cpu", "max_num_seqs": max(args.batches),
                           "max_model_len": args.context, "disable_log_stats": True,
                           "enforce_eager": eager, "cuda_graph_sizes": args.cuda_graph_sizes}
-    if quant != "float32":
+    if quant in BF16:
+        model = bf16_model_dir()
+        if quant == "bf16-compute":
+            kw["dtype"] = "bfloat16"
+    elif quant != "float32":
         kw["quantization"] = quant
     return LLM(str(model), **kw)
 
@@ -518,7 +550,8 @@ def report(results: dict[Key, Any], args: argparse.Namespace, bandwidth: float,
         llama = results.get(("llama", quant), {})
         for batch in args.batches:
             llama_ms = statistics.median(llama[batch][MS]) if batch in llama else None
-            rs_bytes = ringserve_weight_bytes(quant, batch) + kv_bytes(batch, context, 4)
+            kv_item = 2 if quant == "bf16-compute" else 4
+            rs_bytes = ringserve_weight_bytes(quant, batch) + kv_bytes(batch, context, kv_item)
             for eager in (False, True):
                 got = results.get(("ringserve", quant, eager), {}).get(batch)
                 if got:

@@ -14,7 +14,8 @@ directory instead (then converted to each dtype on load).
 
 For each dtype (`--dtypes`) the sides are:
 - ringserve: `LLM` in this process (its engine core process runs with OMP_NUM_THREADS =
-  --threads), `dtype=` the dtype, float weights (a safetensors directory: no quantization),
+  --threads), `dtype="auto"` on the dtype's directory (float32: float32 panels; bfloat16:
+  bf16 panels around float32 compute), float weights (a safetensors directory: no quantization),
   prefix caching on as by default; one request of the prompt's token ids, `max_tokens=1`,
   `ignore_eos`: tokens / s = prompt length / wall clock of `generate`. Each request is checked
   to have generated exactly 1 token, to report the prompt length sent and 0 cached tokens.
@@ -155,7 +156,9 @@ def ringserve_side(model_dir: Path, dtype: str, args: argparse.Namespace) -> Sid
     from ringserve.engine.arg_utils import EngineArgs
 
     longest = max(args.lengths)
-    kw: dict[str, Any] = {"device": "cpu", "dtype": dtype, "disable_log_stats": True,
+    # `--dtype auto`, what a user gets: the directory's config.json names the dtype (a bf16
+    # checkpoint is then served from bf16 panels around float32 compute).
+    kw: dict[str, Any] = {"device": "cpu", "dtype": "auto", "disable_log_stats": True,
                           "max_model_len": max(8192, longest + 1)}
     budget_note = "the engine's default"
     if args.max_num_batched_tokens is not None:
@@ -170,7 +173,8 @@ def ringserve_side(model_dir: Path, dtype: str, args: argparse.Namespace) -> Sid
     budget = llm.llm_engine.config.scheduler_config.max_num_batched_tokens
     model_config = llm.llm_engine.config.model_config
     chunks = ", ".join(f"{n:,}: {-(-n // budget)}" for n in args.lengths)
-    weights = f"{model_config.load_format}, quantization {model_config.quantization}"
+    weights = (f"{model_config.load_format}, quantization {model_config.quantization}, "
+               f"weight format {model_config.weight_format or model_config.dtype}")
     notes = [f"ringserve: {model_dir.name} ({weights}), dtype {model_config.dtype}, "
              f"max_model_len {model_config.max_model_len}, max_num_batched_tokens {budget:,} "
              f"({budget_note}); prefill chunks per prompt: {chunks}; every request checked: 1 "

@@ -54,6 +54,9 @@ class ModelConfig:
             `ringserve.gpu.layers.quant`), "gguf" (a GGUF file's layers each on the panels
             of its own codes, the default for a quantized GGUF file on CPU; see
             `ringserve.checkpoint.precision`), or None for the float weights.
+        weight_format: "bf16" when a bf16 checkpoint's linears and LM head stay bf16 in
+            panels around float32 compute (CPU, `--dtype auto`; see
+            `ringserve.checkpoint.precision.cpu_weight_format`), else None.
     """
 
     model: str
@@ -77,6 +80,7 @@ class ModelConfig:
     weights_path: str = ""
     generation_defaults: dict[str, Any] = field(default_factory=dict)
     quantization: str | None = None
+    weight_format: str | None = None
 
     @property
     def weights(self) -> str:
@@ -169,8 +173,10 @@ class ModelConfig:
         hidden = int(hf["hidden_size"])
         gen_dir = md.generation_config_dir(generation_config, path)
         resolved, dtype_why = precision.resolve_dtype(dtype, hf, device)
+        weight_format = precision.cpu_weight_format(dtype, hf, device, quantization, fmt)
         precision.announce(
-            precision.startup_line(resolved, dtype_why, quantization, gguf_weights),
+            precision.startup_line(resolved, dtype_why, quantization, gguf_weights,
+                                   weight_format),
             precision.bf16_warning(resolved, device))
         return cls(
             model=str(path),
@@ -194,6 +200,7 @@ class ModelConfig:
             weights_path=str(weights),
             generation_defaults=sampling_defaults(gen_dir, override_generation_config),
             quantization=quantization,
+            weight_format=weight_format,
         )
 
     def kv_bytes_per_token(self, tensor_parallel_size: int = 1) -> int:

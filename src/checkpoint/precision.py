@@ -5,11 +5,15 @@ which and why.
 process that builds it (the CLI's, or the one calling `LLM(...)`):
 
 - `resolve_dtype`: what `--dtype auto` means. On CUDA the checkpoint's own dtype. On CPU
-  float32: without native bf16 (AVX512-BF16 / AMX-BF16) a bf16 matmul is emulated and slower
-  than float32, and with it bf16 still has no panels here (its linears go to `F.linear`, the
-  fused decode step is float32 only), so a bf16 checkpoint decodes slower in bf16 than in
-  float32 (issue 48: 48 against 78 tok/s at batch 1). Once bf16 panels land, `auto` turns to
-  bf16 on CPUs with native bf16.
+  float32 activations; a bf16 checkpoint keeps its weights in bf16 (`cpu_weight_format`).
+- `cpu_weight_format`: under `--dtype auto` on CPU a bf16 checkpoint's linears and LM head
+  stay bf16, in bf16 panels (`ringserve.gpu.native.panel`, `panel_bf16.c`: the bf16 bits
+  widened to float32 in registers), and the model computes in float32 around them. A decode
+  step reads half the bytes float32 panels would (it is bound by them), and every product is
+  float32 arithmetic on the checkpoint's own values: the results are a float32 model's loaded
+  from the same checkpoint, more precise than bf16 activations (`--dtype bfloat16`, torch's
+  bf16 matmuls, no fused decode step) and, measured, faster (issue 48). Widening needs no
+  native bf16, so this holds on any x86 CPU. The KV cache stays float32.
 - `gguf_quantization`: a quantized GGUF file is served from its codes by default, as vLLM
   serves GGUF files: `quantization="gguf"` puts every linear and the LM head on the panels its
   tensors' types ask for (`ringserve.checkpoint.gguf_codes.layer_method`: Q4_0 / Q4_1 / Q4_K
@@ -47,6 +51,10 @@ TORCH_DTYPE_NAMES: dict[str, DType] = {
 # /proc/cpuinfo flags of native bf16 arithmetic: AVX512-BF16 (vdpbf16ps) and AMX-BF16 tiles.
 BF16_FEATURES = ("avx512_bf16", "amx_bf16")
 DEQUANTIZE_FLAG = "--gguf-dequantize"
+BF16_WEIGHTS = "bf16"
+"""`ModelConfig.weight_format` of a bf16 checkpoint served on CPU: bf16 panels, float32
+compute (the layers take it through their `quantization` seam: it is not a quantization,
+the weights are the checkpoint's own)."""
 # GGUF tensors fused into one layer (ringserve.gpu.models' q/k/v and gate/up projections).
 _FUSED = (("attn_q", "attn_k", "attn_v"), ("ffn_gate", "ffn_up"))
 _LINEARS = frozenset({"attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up",
@@ -101,15 +109,20 @@ def resolve_dtype(dtype: str, hf: dict[str, Any], device: str) -> tuple[DType, s
     if stored == "float16":
         return "float32", ("--dtype auto serves the checkpoint's float16 in float32 on CPU (no "
                            "float16 matmuls of its own there)")
-    have = native_bf16_features()
-    if have:
-        why = (f"bf16 has no panels yet and decodes slower than float32 here, even with this "
-               f"CPU's {' and '.join(have)}")
-    else:
-        why = (f"this CPU lacks {' and '.join(BF16_FEATURES)}, so bf16 matmuls would be "
-               "emulated, slower than float32")
-    return "float32", (f"--dtype auto serves the checkpoint's bfloat16 in float32 on CPU: "
-                       f"{why}; --dtype bfloat16 for bf16")
+    return "float32", ("--dtype auto computes in float32 on CPU around the checkpoint's "
+                       "bfloat16 weights, kept in bf16 panels: half the bytes a token reads, "
+                       "float32 products; --dtype bfloat16 for bf16 activations")
+
+
+def cpu_weight_format(dtype: str, hf: dict[str, Any], device: str,
+                      quantization: str | None, load_format: str) -> str | None:
+    """`BF16_WEIGHTS` when a bf16 checkpoint is served on CPU under `--dtype auto` (its
+    linears and LM head in bf16 panels, see the module docstring), else None (the weights in
+    the compute dtype, or quantized)."""
+    if (dtype != "auto" or device != "cpu" or quantization is not None
+            or load_format == "gguf"):
+        return None
+    return BF16_WEIGHTS if stored_dtype(hf) == "bfloat16" else None
 
 
 def bf16_warning(dtype: DType, device: str) -> str | None:
@@ -219,7 +232,7 @@ def _piece(mode: str, method: str | None, qtype: str, count: int) -> str:
 
 
 def startup_line(dtype: DType, dtype_why: str, quantization: str | None,
-                 gguf_weights: str | None) -> str:
+                 gguf_weights: str | None, weight_format: str | None = None) -> str:
     """The start-up line: the dtype and weight format chosen, and why.
 
     Args:
@@ -227,8 +240,12 @@ def startup_line(dtype: DType, dtype_why: str, quantization: str | None,
         quantization: the quantization the config carries.
         gguf_weights: a GGUF file's weights as `gguf_quantization` described them (None: not
             a GGUF file).
+        weight_format: `cpu_weight_format`'s choice (None: the weights in `dtype`).
     """
     head = f"dtype {dtype} ({dtype_why}); weights "
+    if weight_format == BF16_WEIGHTS:
+        return (f"{head}bf16 panels for the linears and the LM head (the checkpoint's own "
+                "bf16 values); embedding lookups, norms and the KV cache float32")
     if gguf_weights is not None:
         if quantization is None:
             return f"{head}{dtype}, {gguf_weights}"

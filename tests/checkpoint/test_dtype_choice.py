@@ -1,6 +1,7 @@
 """The compute dtype a checkpoint is served in and the start-up line that says why (issue 48,
-item 4; `ringserve.checkpoint.precision`): `--dtype auto` serves a bf16 checkpoint in float32
-on CPU, native bf16 or not, until bf16 has panels; `--dtype bfloat16` on a CPU without native
+item 4; `ringserve.checkpoint.precision`): `--dtype auto` serves a bf16 checkpoint on CPU,
+native bf16 or not, with float32 compute around its weights kept in bf16 panels (item 3);
+`--dtype bfloat16` on a CPU without native
 bf16 serves with one warning naming the missing feature. The CPU's flags are injected
 (`precision.cpu_flags`), so both branches run on any machine."""
 
@@ -63,22 +64,21 @@ def test_cpu_flags_come_from_proc_cpuinfo(tmp_path: Path,
 def test_auto_serves_a_bf16_checkpoint_in_float32_on_cpu(
         flags: frozenset[str], bf16_dir: Path, caplog: pytest.LogCaptureFixture,
         monkeypatch: pytest.MonkeyPatch) -> None:
-    """With native bf16 too: bf16 has no panels and no fused decode step yet, so it decodes
-    slower than float32 (issue 48: 48 against 78 tok/s); the line says which reason holds."""
+    """Native bf16 or not: float32 compute, the weights in bf16 panels (widening a bf16
+    weight needs no bf16 instructions); one line says so."""
     monkeypatch.setattr(precision, "cpu_flags", lambda: flags)
     with caplog.at_level(logging.INFO, logger=LOGGER):
         config = ModelConfig.from_model_dir(str(bf16_dir))
         ModelConfig.from_model_dir(str(bf16_dir))  # a second config: no second line
     assert config.dtype == "float32" and config.quantization is None
+    assert config.weight_format == "bf16"
     [line] = _lines(caplog, logging.INFO)
-    assert line.startswith("dtype float32 (--dtype auto serves the checkpoint's bfloat16 in "
-                           "float32 on CPU: ")
-    assert line.endswith("; --dtype bfloat16 for bf16); weights float32")
-    if flags == NATIVE:
-        assert ("bf16 has no panels yet and decodes slower than float32 here, even with this "
-                "CPU's avx512_bf16 and amx_bf16") in line
-    else:
-        assert "this CPU lacks avx512_bf16 and amx_bf16, so bf16 matmuls would be emulated" in line
+    assert line == (
+        "dtype float32 (--dtype auto computes in float32 on CPU around the checkpoint's "
+        "bfloat16 weights, kept in bf16 panels: half the bytes a token reads, float32 "
+        "products; --dtype bfloat16 for bf16 activations); weights bf16 panels for the "
+        "linears and the LM head (the checkpoint's own bf16 values); embedding lookups, "
+        "norms and the KV cache float32")
     assert not _lines(caplog, logging.WARNING)
 
 

@@ -152,12 +152,12 @@ def avx2_library() -> ctypes.CDLL:
 
 @needs_library
 @pytest.mark.skipif(not _has_avx512(), reason="no AVX-512: the native build is the AVX2 one")
-@pytest.mark.parametrize("method", ["f32", "int8", "int4", "int8g"])
+@pytest.mark.parametrize("method", ["f32", "int8", "int4", "int8g", "bf16"])
 def test_avx512_tiles_equal_the_avx2_build_bit_for_bit(method: str,
                                                        avx2_library: ctypes.CDLL) -> None:
     """On an AVX-512 machine the library's zmm tiles run (float32: 4-8 rows with one
-    accumulator per row; int8 / int4 / int8g: 16 channels per register); built with -mno-avx512f,
-    the same sources run the AVX2 tiles. Every output is the same sequence of operations in
+    accumulator per row; int8 / int4 / int8g / bf16: 16 channels per register); built with
+    -mno-avx512f, the same sources run the AVX2 tiles. Every output is the same sequence of operations in
     both, so the products are equal bit for bit, except float32 rows that the AVX2 split
     puts in its 1-row tile (which pairs its inputs); those agree to rounding. This keeps the
     AVX2 path (the CPU the project targets) tested on AVX-512 machines."""
@@ -169,6 +169,8 @@ def test_avx512_tiles_equal_the_avx2_build_bit_for_bit(method: str,
         weight = torch.randn(n, k, generator=gen)
         if method == "f32":
             panels = panel_native.pack_f32(weight, None)
+        elif method == "bf16":  # one zmm of 16 channels per row against two ymm
+            panels = panel_native.pack_bf16(weight, None)
         elif method == "int8g":  # int8 codes with a scale per 32 inputs (Q8_0 as it is)
             codes = quant.quantize_codes(weight, "int8").codes
             scales = torch.rand(n, k // 32, generator=gen) + 0.01

@@ -93,7 +93,7 @@ def apply_linear(x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor | N
 
 
 def panel_forward(x: torch.Tensor, panel: PanelWeight) -> torch.Tensor:
-    """`x @ W^T + b` from a layer's panels (float32, int8 or int4)."""
+    """`x @ W^T + b` from a layer's panels (float32, bf16, int8 or int4)."""
     if panel.format != "f32":
         return quantized_linear(x, panel)
     library = panel_native.load_library()
@@ -406,6 +406,8 @@ def refresh_panel(panel: PanelWeight, weight: torch.Tensor, bias: torch.Tensor |
     the same tensors, so the captured decode step's pointers stay valid."""
     if panel.format == "f32":
         panel_native.to_panels(weight.detach().float(), out=panel.data)
+    elif panel.format == "bf16":
+        panel_native.to_panels(weight.detach().to(torch.bfloat16), out=panel.data)
     else:
         grouped = panel.format == "int8g"  # int8 with a scale per 32 inputs
         fresh = quantize(weight.data, method or ("int8" if grouped else panel.format),

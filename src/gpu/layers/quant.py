@@ -1,4 +1,7 @@
-"""Weight-only int8 / int4 quantization of the linear layers (`--quantization int8|int4`).
+"""Weight-only int8 / int4 quantization of the linear layers (`--quantization int8|int4`),
+and the bf16 panels of a bf16 checkpoint on CPU (`BF16_WEIGHTS`: not a quantization, the
+checkpoint's own values; they take the same seam: `quantize` packs them, `quantized_linear`
+runs them).
 
 The tensor-parallel linears (`ringserve.gpu.layers.linear`) and the LM head
 (`ringserve.gpu.layers.vocab_embedding`) call `quantize` on their own shard of the weight in
@@ -32,6 +35,7 @@ import torch
 import torch.nn.functional as F
 
 from ringserve.checkpoint.gguf_codes import BlockCodes
+from ringserve.checkpoint.precision import BF16_WEIGHTS
 from ringserve.config import QUANTIZATION_METHODS
 from ringserve.gpu.native import panel as panel_native
 from ringserve.gpu.native.panel import PANEL, PanelWeight
@@ -61,8 +65,8 @@ class QuantCodes:
 
 
 def check_method(method: str) -> None:
-    """Raises ValueError unless `method` is one ringserve runs."""
-    if method not in QUANTIZATION_METHODS:
+    """Raises ValueError unless `method` is one ringserve runs (or `BF16_WEIGHTS`)."""
+    if method not in QUANTIZATION_METHODS and method != BF16_WEIGHTS:
         raise ValueError(f"quantization: got {method!r}, allowed: "
                          f"{', '.join(QUANTIZATION_METHODS)}")
 
@@ -162,6 +166,10 @@ def quantize(weight: torch.Tensor, method: str,
     """
     if weight.device.type != "cpu":
         raise ValueError(f"quantization {method}: runs on CPU only (weight on {weight.device})")
+    if method == BF16_WEIGHTS:  # no codes: the weights themselves, in bf16 panels
+        if list(as_is):
+            raise ValueError("bf16 panels take no GGUF codes")
+        return panel_native.pack_bf16(weight)
     q = quantize_codes(weight, method, int8_groups=int8_groups and method == "int8")
     as_is = list(as_is)
     if method == "int8" and (as_is or grouped) and q.scales.dim() == 1:
@@ -238,6 +246,8 @@ def quantized_linear(x: torch.Tensor, weight: PanelWeight,
     library = panel_native.load_library()
     if library is not None:
         out = panel_native.linear(library, rows, weight)
+    elif weight.format == "bf16":
+        out = F.linear(rows, panel_native.unpack_float(weight), weight.bias)
     else:
         out = F.linear(rows, dequantize(unpack(weight)), weight.bias)
     if bias is not None:

@@ -40,8 +40,9 @@ class DecoderSpec:
         sliding_window: every layer attends to this many most recent positions only (Phi-3);
             None: full attention. Families with per-layer windows (Gemma) set it per layer.
         quantization: the weight-only quantization ("int8", "int4") of the linear layers
-            and the LM head, "gguf" (each on the panels of its GGUF tensors' codes), or None;
-            the embedding stays float.
+            and the LM head, "gguf" (each on the panels of its GGUF tensors' codes), "bf16"
+            (a bf16 checkpoint's weights kept in bf16 panels, float32 products: not a
+            quantization, `ModelConfig.weight_format`), or None; the embedding stays float.
     """
 
     vocab_size: int
@@ -90,5 +91,6 @@ class DecoderSpec:
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
             dtype=TORCH_DTYPES[config.dtype],
             sliding_window=sliding_window,
-            quantization=config.quantization,
+            # A bf16 checkpoint's bf16 panels (CPU) take the layers' quantization seam.
+            quantization=config.quantization or config.weight_format,
         )

@@ -21,6 +21,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ringserve.checkpoint.precision import BF16_WEIGHTS
 from ringserve.gpu.layers.linear import check_shape
 from ringserve.gpu.layers.parallel import TPGroup
 from ringserve.gpu.moe import cpu_experts, grouped
@@ -119,7 +120,7 @@ class FusedMoE(nn.Module):
             # layers (a weight update rewrites the panels: `refresh_from`).
             self.w13 = nn.Parameter(torch.empty(0, dtype=self.w13.dtype), requires_grad=False)
             self.w2 = nn.Parameter(torch.empty(0, dtype=self.w2.dtype), requires_grad=False)
-        elif self.quantization is not None:
+        elif self.quantization not in (None, BF16_WEIGHTS):  # bf16 stays in the plain weights
             raise ValueError(f"--quantization {self.quantization} of MoE experts needs the CPU "
                              "kernel on float32 weights")
 

@@ -13,6 +13,8 @@
  *   RS_INT4: data uint8 [P][k / 2][16]: byte (p, j, l) holds the code of input 2 j in its low
  *            nibble and of input 2 j + 1 in its high nibble; scales and mins float
  *            [P][k / 32][16] per group of 32 inputs (w = code * scale + min).
+ *   RS_BF16: data uint16 [P][k][16]: the bf16 bits of each weight (its float32's top half;
+ *            panel_bf16.c widens them in registers); scales, mins unused.
  */
 #ifndef RINGSERVE_PANEL_H
 #define RINGSERVE_PANEL_H
@@ -22,10 +24,10 @@
 #define RS_PANEL 16
 #define RS_INT4_GROUP 32
 
-enum { RS_F32 = 0, RS_INT8 = 1, RS_INT4 = 2, RS_INT8G = 3 };
+enum { RS_F32 = 0, RS_INT8 = 1, RS_INT4 = 2, RS_INT8G = 3, RS_BF16 = 4 };
 
 typedef struct {
-    int64_t format; /* RS_F32, RS_INT8, RS_INT4 or RS_INT8G */
+    int64_t format; /* RS_F32, RS_INT8, RS_INT4, RS_INT8G or RS_BF16 */
     int64_t n, k;   /* output and input features */
     const void *data;
     const float *scales;
@@ -47,6 +49,8 @@ void rs_int4_panels(const rs_weight *w, const float *x, int64_t m, int64_t ldx, 
                     int64_t ldy, int64_t p0, int64_t p1);
 void rs_int8g_panels(const rs_weight *w, const float *x, int64_t m, int64_t ldx, float *y,
                      int64_t ldy, int64_t p0, int64_t p1);
+void rs_bf16_panels(const rs_weight *w, const float *x, int64_t m, int64_t ldx, float *y,
+                    int64_t ldy, int64_t p0, int64_t p1);
 
 /* The kernel of w's format, then the bias, for panels p0 .. p1. */
 void rs_panels(const rs_weight *w, const float *x, int64_t m, int64_t ldx, float *y,

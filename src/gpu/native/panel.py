@@ -1,5 +1,6 @@
 """The CPU matmul library: weights in panels of 16 output channels (`panel.h`), read by the
-float32 kernel (`panel_f32.c`), the int8 / int4 kernels (`panel_quant.c`), the fused decode
+float32 kernel (`panel_f32.c`), the bf16 one (`panel_bf16.c`: a bf16 checkpoint's weights
+kept as they are, float32 products), the int8 / int4 kernels (`panel_quant.c`), the fused decode
 step (`decode_step.c`) and the mixture-of-experts SwiGLU experts (`moe_cpu.c`), which are
 built together into one shared object on first use.
 
@@ -43,13 +44,16 @@ from ringserve.gpu.native import build as native_build
 logger = logging.getLogger(__name__)
 
 _DIR = Path(__file__).parent
-SOURCES = (_DIR / "panel_f32.c", _DIR / "panel_pack.c", _DIR / "panel_quant.c",
-           _DIR / "decode_step.c", _DIR / "cpu_decode.c", _DIR / "moe_cpu.c")
+SOURCES = (_DIR / "panel_f32.c", _DIR / "panel_bf16.c", _DIR / "panel_pack.c",
+           _DIR / "panel_quant.c", _DIR / "decode_step.c", _DIR / "cpu_decode.c",
+           _DIR / "moe_cpu.c")
 HEADERS = (_DIR / "panel.h", _DIR / "fast_exp.h", _DIR / "cpu_decode.h", _DIR / "moe_cpu.h")
 
 PANEL = 16  # output channels per panel (RS_PANEL)
 INT4_GROUP = 32  # inputs per int4 scale / min (RS_INT4_GROUP)
-FORMATS = {"f32": 0, "int8": 1, "int4": 2, "int8g": 3}
+FORMATS = {"f32": 0, "int8": 1, "int4": 2, "int8g": 3, "bf16": 4}
+# Float formats: the many-row shapes go to torch's GEMM (`_many_rows`).
+FLOAT_FORMATS = ("f32", "bf16")
 
 # Rows from which a float32 `linear` goes to torch's GEMM instead (`_many_rows`): see the
 # module docstring.
@@ -74,9 +78,10 @@ class PanelWeight:
     """A linear layer's weight in the panel layout (see panel.h), with its bias.
 
     Attributes:
-        format: "f32", "int8", "int4" or "int8g" (int8 with a scale per 32 inputs).
+        format: "f32", "bf16" (the weights' bf16 bits, float32 products), "int8", "int4" or
+            "int8g" (int8 with a scale per 32 inputs).
         out_features, in_features: n and k of the logical [n, k] weight.
-        data: the panels (float32, int8 or uint8).
+        data: the panels (float32, bfloat16, int8 or uint8).
         scales: int8: float32 [P * 16]; int4, int8g: float32 [P, k / 32, 16]; f32: None.
         mins: int4: float32 [P, k / 32, 16]; otherwise None.
         bias: float32 [n] or None.
@@ -264,6 +269,21 @@ def unpack_f32(weight: PanelWeight) -> torch.Tensor:
     return weight.data.transpose(1, 2).reshape(p * PANEL, k)[: weight.out_features]
 
 
+def pack_bf16(weight: torch.Tensor, bias: torch.Tensor | None = None) -> PanelWeight:
+    """The bf16 panels of a float `[n, k]` CPU weight (rounded to bf16 unless it is bf16
+    already, or float32 holding bf16 values: then exact); the bias stays float32."""
+    n, k = weight.shape
+    data = to_panels(weight.detach().to(torch.bfloat16))
+    return PanelWeight("bf16", n, k, data).with_bias(bias)
+
+
+def unpack_float(weight: PanelWeight) -> torch.Tensor:
+    """The float32 `[n, k]` weight of float32 or bf16 panels (a new tensor for bf16)."""
+    if weight.format not in FLOAT_FORMATS:
+        raise ValueError(f"{weight.format} panels hold codes, not floats")
+    return unpack_f32(weight).float()
+
+
 def linear(library: ctypes.CDLL, x: torch.Tensor, weight: PanelWeight) -> torch.Tensor:
     """`x @ W^T + bias` for float32 `x` [..., k], on torch's thread count.
 
@@ -275,7 +295,7 @@ def linear(library: ctypes.CDLL, x: torch.Tensor, weight: PanelWeight) -> torch.
         raise ValueError(f"panel linear: x {x.dtype} {list(x.shape)} for a weight of "
                          f"{weight.out_features} x {k}")
     rows = x.reshape(-1, k)
-    if weight.format == "f32" and rows.shape[0] >= MANY_ROWS:
+    if weight.format in FLOAT_FORMATS and rows.shape[0] >= MANY_ROWS:
         return _many_rows(rows, weight).reshape(*x.shape[:-1], weight.out_features)
     if not rows.is_contiguous():
         rows = rows.contiguous()
@@ -287,10 +307,13 @@ def linear(library: ctypes.CDLL, x: torch.Tensor, weight: PanelWeight) -> torch.
 
 
 def _many_rows(rows: torch.Tensor, weight: PanelWeight) -> torch.Tensor:
-    """`rows @ W^T + bias` by torch's GEMM (MKL) from float32 panels: `[P, k, 16]` read out
-    as `W^T` `[k, P * 16]`, a copy in runs of 16 floats (the plain weight is not kept)."""
+    """`rows @ W^T + bias` by torch's GEMM (MKL) from float32 or bf16 panels: `[P, k, 16]`
+    read out as float32 `W^T` `[k, P * 16]`, a copy in runs of 16 values (the plain weight is
+    not kept; bf16 widens exactly on the way, so the GEMM is float32 on the bf16 weights)."""
     p, k, _ = weight.data.shape
     columns = weight.data.permute(1, 0, 2).reshape(k, p * PANEL)[:, : weight.out_features]
+    if columns.dtype != torch.float32:
+        columns = columns.float()
     if weight.bias is None:
         return torch.mm(rows, columns)
     return torch.addmm(weight.bias, rows, columns)

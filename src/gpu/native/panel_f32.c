@@ -319,6 +319,7 @@ void rs_panels(const rs_weight *w, const float *x, int64_t m, int64_t ldx, float
     case RS_INT8: rs_int8_panels(w, x, m, ldx, y, ldy, p0, p1); break;
     case RS_INT4: rs_int4_panels(w, x, m, ldx, y, ldy, p0, p1); break;
     case RS_INT8G: rs_int8g_panels(w, x, m, ldx, y, ldy, p0, p1); break;
+    case RS_BF16: rs_bf16_panels(w, x, m, ldx, y, ldy, p0, p1); break;
     default: rs_f32_panels(w, x, m, ldx, y, ldy, p0, p1); break;
     }
     if (w->bias == NULL)

@@ -1,0 +1,175 @@
+"""bf16 checkpoints on CPU (issue 48.3): the linears and the LM head keep the checkpoint's bf16
+in bf16 panels (`panel_bf16.c`), the model computes in float32 around them.
+
+The kernel against `F.linear` on the same (bf16-valued) weights at every tile height and
+thread count, the fallback without the library, the layers' packing and refresh, and whole
+models: greedy tokens and logprobs equal transformers run in float32 on the same bf16
+checkpoint (what the panels compute: float32 products of the bf16 values), through the model
+runner (chunked prefill, a prefix hit) and through `LLM` (the fused decode step). The AVX2
+build against the AVX-512 one: test_gpu_linear.py's AVX-512 / AVX2 equality test [bf16].
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from gpu_helpers import assert_matches_hf, hf_greedy, make_runner, run_parity
+
+from ringserve import SamplingParams
+from ringserve.config import ModelConfig
+from ringserve.engine.frontend.llm import LLM
+from ringserve.gpu.layers import quant
+from ringserve.gpu.layers.linear import ColumnParallelLinear, RowParallelLinear
+from ringserve.gpu.layers.parallel import TPGroup
+from ringserve.gpu.native import panel as panel_native
+from ringserve.gpu.testing import tiny_model
+
+LIBRARY = panel_native.load_library()
+needs_library = pytest.mark.skipif(LIBRARY is None, reason="no C compiler with OpenMP")
+
+
+def _bf16_valued(n: int, k: int, seed: int) -> torch.Tensor:
+    """A float32 [n, k] weight whose values are bf16 (as a bf16 checkpoint loads)."""
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(n, k, generator=gen).to(torch.bfloat16).float()
+
+
+@needs_library
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("n,k", [(16, 8), (40, 96), (100, 576), (7, 33)])
+def test_bf16_kernel_matches_f_linear(n: int, k: int, threads: int) -> None:
+    assert LIBRARY is not None
+    weight = _bf16_valued(n, k, n * k)
+    bias = torch.randn(n, generator=torch.Generator().manual_seed(1))
+    panels = panel_native.pack_bf16(weight, bias)
+    assert panels.format == "bf16" and panels.data.dtype == torch.bfloat16
+    assert panels.data.shape == (panel_native.num_panels(n), k, 16)
+    assert panels.nbytes() == panel_native.num_panels(n) * k * 16 * 2  # half of float32's
+    assert torch.equal(panel_native.unpack_float(panels), weight)  # exact: no rounding
+    gen = torch.Generator().manual_seed(2)
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        # every tile height (1 row; 2..8 rows; splits of 9..17), row blocks of 48, and the
+        # many-row hand-off to torch's GEMM (>= MANY_ROWS)
+        for rows in [*range(1, 18), 48, 64, 97, panel_native.MANY_ROWS + 3]:
+            x = torch.randn(rows, k, generator=gen)
+            got = panel_native.linear(LIBRARY, x, panels)
+            torch.testing.assert_close(got, F.linear(x, weight, bias), atol=1e-4, rtol=1e-5)
+    finally:
+        torch.set_num_threads(old)
+
+
+def test_bf16_panels_without_the_library(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where the C library cannot be built, the panels are widened and multiplied by torch."""
+    weight = _bf16_valued(24, 64, 3)
+    panels = panel_native.pack_bf16(weight)
+    monkeypatch.setattr(panel_native, "load_library", lambda: None)
+    x = torch.randn(3, 64)
+    torch.testing.assert_close(quant.quantized_linear(x, panels), F.linear(x, weight))
+    # bf16 activations come back as bf16 (the layers' contract for other dtypes)
+    assert quant.quantized_linear(x.bfloat16(), panels).dtype == torch.bfloat16
+
+
+def test_bf16_takes_no_gguf_codes_and_is_not_a_user_quantization() -> None:
+    from ringserve.checkpoint.precision import BF16_WEIGHTS
+    from ringserve.config import QUANTIZATION_METHODS
+
+    assert BF16_WEIGHTS not in QUANTIZATION_METHODS  # --quantization bf16 stays refused
+    with pytest.raises(ValueError, match="bf16 panels take no GGUF codes"):
+        quant.quantize(torch.zeros(16, 32), BF16_WEIGHTS, [(0, object())])  # type: ignore[list-item]
+
+
+@needs_library
+def test_layers_pack_bf16_and_refresh_in_place() -> None:
+    """A column layer (fused shards, bias) and a row layer keep bf16 panels and drop the
+    float copy; a weight update rewrites the same panel tensor (the decode step's pointers)."""
+    column = ColumnParallelLinear(32, [48, 16], bias=True, tp=TPGroup(), dtype=torch.float32,
+                                  quantization="bf16")
+    full = _bf16_valued(64, 32, 4)
+    for shard, rows in enumerate(full.split([48, 16])):
+        column.load("weight", rows, shard)
+        column.load("bias", torch.arange(rows.shape[0], dtype=torch.float32), shard)
+    column.process_weights_after_loading()
+    assert column.panel is not None and column.panel.format == "bf16"
+    assert column.weight.numel() == 0
+    x = torch.randn(5, 32)
+    bias = torch.cat([torch.arange(48.0), torch.arange(16.0)])
+    torch.testing.assert_close(column(x), F.linear(x, full, bias), atol=1e-4, rtol=1e-5)
+
+    row = RowParallelLinear(32, 24, bias=False, tp=TPGroup(), dtype=torch.float32,
+                            quantization="bf16")
+    row.load("weight", _bf16_valued(24, 32, 5))
+    row.process_weights_after_loading()
+    assert row.panel is not None
+    data = row.panel.data
+    fresh = RowParallelLinear(32, 24, bias=False, tp=TPGroup(), dtype=torch.float32,
+                              quantization="bf16")
+    new = _bf16_valued(24, 32, 6)
+    fresh.load("weight", new)
+    from ringserve.gpu.layers.linear import refresh_layer
+
+    refresh_layer(row, fresh)
+    assert row.panel.data is data
+    torch.testing.assert_close(row(x), F.linear(x, new), atol=1e-4, rtol=1e-5)
+
+
+# -- whole models -----------------------------------------------------------------------------
+
+FAMILIES = ["llama", "qwen2", "gemma2", "qwen3moe"]  # plain, tied head, soft caps, MoE
+
+
+def _bf16_checkpoint(family: str) -> Path:
+    return tiny_model(family, dtype="bfloat16")
+
+
+def test_auto_keeps_a_bf16_checkpoint_in_bf16_panels_on_cpu() -> None:
+    config = ModelConfig.from_model_dir(str(_bf16_checkpoint("llama")))
+    assert config.dtype == "float32" and config.weight_format == "bf16"
+    assert config.quantization is None
+    explicit = ModelConfig.from_model_dir(str(_bf16_checkpoint("llama")), dtype="float32")
+    assert explicit.weight_format is None  # --dtype float32: float32 weights, as asked
+    cuda = ModelConfig.from_model_dir(str(_bf16_checkpoint("llama")), device="cuda")
+    assert cuda.weight_format is None and cuda.dtype == "bfloat16"
+    f32 = ModelConfig.from_model_dir(str(tiny_model("llama")))
+    assert f32.weight_format is None
+
+
+@needs_library
+@pytest.mark.parametrize("family", FAMILIES)
+def test_bf16_checkpoint_matches_transformers_in_float32(family: str) -> None:
+    """Greedy tokens equal transformers' float32 forward on the bf16 checkpoint, logprobs
+    within 1e-4 (float32 rounding order), through chunked prefill and a prefix hit."""
+    model_dir = _bf16_checkpoint(family)
+    expected = hf_greedy(model_dir, 16)
+    runner = make_runner(model_dir)
+    layer = runner.model.model.layers[0]  # type: ignore[union-attr,index]
+    assert layer.self_attn.qkv_proj.panel.format == "bf16"  # type: ignore[union-attr]
+    assert runner.model.lm_head.panel.format == "bf16"  # type: ignore[union-attr]
+    assert_matches_hf(run_parity(runner, 16), expected)
+
+
+@pytest.mark.slow
+@needs_library
+def test_llm_serves_a_bf16_checkpoint_token_exact_for_32_tokens() -> None:
+    """Through the engine (its fused decode step reads the bf16 panels), 32 greedy tokens of
+    each prompt equal transformers' float32 forward on the same bf16 checkpoint."""
+    model_dir = _bf16_checkpoint("qwen2")  # tied LM head: its own bf16 panels
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    gen = torch.Generator().manual_seed(7)
+    prompts = [torch.randint(3, 8000, (n,), generator=gen).tolist() for n in (3, 20, 41)]
+    expected = []
+    for prompt in prompts:
+        out = hf.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=32,
+                          min_new_tokens=32)
+        expected.append(out[0, len(prompt):].tolist())
+    params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
+    with LLM(str(model_dir), device="cpu", kv_cache_memory=16 << 20, max_num_seqs=4) as llm:
+        outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params,
+                               use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outputs] == expected
