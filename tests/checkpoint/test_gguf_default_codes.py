@@ -284,3 +284,44 @@ def test_panel_bytes_helper_counts_scales_and_mins() -> None:
     panel: PanelWeight = quant.quantize(weight, "int4")
     # 2 panels of 16 channels: 64 / 2 bytes of codes and 2 x 2 float32 per channel.
     assert panel.nbytes() == 2 * 16 * (32 + 2 * 2 * 4)
+
+
+@pytest.mark.slow
+@needs_panels
+def test_a_tied_embedding_reads_the_heads_codes(files: dict[str, Path],
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """The mixed file's tied Q8_0 embedding: the LM head's int8g panels hold every row as the
+    file's codes, so the lookups read them there and no float32 table is kept (the memory
+    target: weights within 1.3x of the file). The products are the ones the dequantized
+    table held: greedy tokens and logprobs through the captured decode step equal those of
+    the same model keeping its float rows."""
+    from runner_driver import ToyScheduler
+
+    def run() -> tuple[ModelRunner, dict[str, object]]:
+        runner = _runner(files["mixed"], backend="cpu")
+        runner.initialize_kv_cache(64)
+        assert runner.capture is not None, runner.capture_reason
+        sched = ToyScheduler(runner, budget=16)
+        greedy = SamplingParams(temperature=0.0, max_tokens=12, logprobs=0, ignore_eos=True)
+        for i in range(3):
+            sched.add(f"r{i}", [5 + i, 17, 99 + 7 * i, 4, 250, 31], greedy, 12)
+        sched.run()
+        return runner, {rid: (req.output, [lp.logprobs[0] for lp in req.logprobs])
+                        for rid, req in sched.done.items()}
+
+    runner, tied = run()
+    embed, head = runner.model.model.embed_tokens, runner.model.lm_head  # type: ignore[union-attr]
+    assert embed.panel_rows is head.panel and embed.weight.numel() == 0
+    ids = torch.tensor([0, 1, 17, 7999])
+    original = ParallelLMHead.tie_panels
+
+    def float_rows(self: ParallelLMHead, embedding: object) -> None:
+        if self.panel is not None and self.panel.format == "f32":
+            original(self, embedding)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(ParallelLMHead, "tie_panels", float_rows)
+    untied_runner, untied = run()
+    untied_embed = untied_runner.model.model.embed_tokens  # type: ignore[union-attr]
+    assert untied_embed.panel_rows is None and untied_embed.weight.numel() > 0
+    assert torch.equal(embed(ids), untied_embed(ids))
+    assert tied == untied

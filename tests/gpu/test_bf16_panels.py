@@ -173,3 +173,63 @@ def test_llm_serves_a_bf16_checkpoint_token_exact_for_32_tokens() -> None:
         outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params,
                                use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outputs] == expected
+
+
+# -- a tied embedding read from its LM head's panels -----------------------------------------
+
+
+@needs_library
+@pytest.mark.parametrize("method", ["f32", "bf16", "int8", "int8g", "int4"])
+def test_panel_rows_are_the_values_the_kernel_multiplies_by(method: str) -> None:
+    """`panel_native.rows` (rs_panel_rows) against the dequantized weight: row r of the
+    product's weight, any format, with the last panel's padding lanes (n = 40)."""
+    assert LIBRARY is not None
+    n, k = 40, 96
+    weight = _bf16_valued(n, k, 8)
+    if method == "f32":
+        panels, want = panel_native.pack_f32(weight), weight
+    elif method == "bf16":
+        panels, want = panel_native.pack_bf16(weight), weight
+    else:
+        q = quant.quantize_codes(weight, "int8" if method != "int4" else "int4",
+                                 int8_groups=method == "int8g")
+        panels, want = quant.pack(q), quant.dequantize(q)
+    assert panels.format == method
+    ids = torch.tensor([[0, 15, 16], [39, 7, 7]])
+    got = panel_native.rows(LIBRARY, panels, ids)
+    assert got.shape == (2, 3, k)
+    torch.testing.assert_close(got, want[ids], atol=1e-6, rtol=1e-6)
+    assert torch.equal(got, F.embedding(ids, want)) or method == "int4"  # int4: rounding order
+    with pytest.raises(ValueError, match="ids outside"):
+        panel_native.rows(LIBRARY, panels, torch.tensor([n]))
+
+
+@needs_library
+def test_tied_embedding_reads_bf16_panels_and_a_weight_update_unties_it() -> None:
+    """A tied head on bf16 panels: the embedding keeps no rows and looks up the panels'
+    (exact) values; a weight update (`refresh_from` a just-loaded head) rewrites the panels
+    and gives the embedding float rows of its own again, with the new values."""
+    from ringserve.gpu.layers.vocab_embedding import ParallelLMHead, VocabParallelEmbedding
+
+    def tied(matrix: torch.Tensor) -> tuple[VocabParallelEmbedding, ParallelLMHead]:
+        embed = VocabParallelEmbedding(50, 64, tp=TPGroup(), dtype=torch.float32)
+        head = ParallelLMHead(50, 64, tp=TPGroup(), dtype=torch.float32, quantization="bf16")
+        head.weight = embed.weight
+        embed.load("weight", matrix)
+        return embed, head
+
+    old, new = _bf16_valued(50, 64, 9), _bf16_valued(50, 64, 10)
+    embed, head = tied(old)
+    head.process_weights_after_loading(keep_weight=True, tied_to=embed)
+    head.tie_panels(embed)
+    assert embed.panel_rows is head.panel and embed.weight.numel() == 0
+    ids = torch.tensor([3, 49, 0])
+    assert torch.equal(embed(ids), old[ids])
+    x = torch.randn(2, 64)
+    torch.testing.assert_close(head.compute_logits(x), x @ old.T, atol=1e-4, rtol=1e-5)
+
+    _, loaded = tied(new)
+    head.refresh_from(loaded)
+    assert embed.panel_rows is None and head.weight is embed.weight
+    assert torch.equal(embed(ids), new[ids])
+    torch.testing.assert_close(head.compute_logits(x), x @ new.T, atol=1e-4, rtol=1e-5)

@@ -57,8 +57,8 @@ class VocabParallelEmbedding(nn.Module):
         # Called after each `load` once the weights are processed: a tied LM head repacks its
         # panels from the new rows (a weight update loading a processed model).
         self.on_load: Callable[[], None] | None = None
-        # A tied LM head's float32 panels, which hold these rows: lookups read them there and
-        # the embedding keeps no rows of its own (`read_from_panels`).
+        # A tied LM head's panels, which hold these rows: lookups read them there and the
+        # embedding keeps no rows of its own (`read_from_panels`).
         self.panel_rows: PanelWeight | None = None
         # With `record_source` (a quantized LM head reads this matrix), `load` keeps the GGUF
         # tensor the matrix came from (`source`), whose codes the head may keep as they are.
@@ -70,6 +70,9 @@ class VocabParallelEmbedding(nn.Module):
         tied head's panels: into the panels)."""
         del name, shard_id
         if self.panel_rows is not None:
+            if self.panel_rows.format != "f32":  # a weight update goes by the staging copy
+                raise RuntimeError("an embedding read from its LM head's "
+                                   f"{self.panel_rows.format} panels loads through the head")
             self._load_into_panels(self.panel_rows, loaded)
             return
         check_shape(loaded, (self.num_embeddings, self.embedding_dim))
@@ -91,9 +94,10 @@ class VocabParallelEmbedding(nn.Module):
         panel_native.pack_rows(library, loaded.narrow(0, self.vocab_start, rows), panels.data, 0)
 
     def read_from_panels(self, panels: PanelWeight) -> nn.Parameter:
-        """Serve the lookups from a tied LM head's float32 panels, which hold exactly these
-        rows, and drop the rows: the matrix is in memory once, and a weight update writes it
-        once. Returns the (empty) parameter that replaces the rows, for the head to share."""
+        """Serve the lookups from a tied LM head's panels, which hold exactly these rows
+        (float32; bf16 of a bf16 checkpoint; a GGUF file's own codes), and drop the rows: the
+        matrix is in memory once, and a weight update writes it once. Returns the (empty)
+        parameter that replaces the rows, for the head to share."""
         self.panel_rows = panels
         self.on_load = None
         empty = nn.Parameter(torch.empty(0, self.embedding_dim, dtype=self.weight.dtype,
@@ -101,12 +105,27 @@ class VocabParallelEmbedding(nn.Module):
         self.weight = empty
         return empty
 
+    def untie(self, matrix: torch.Tensor) -> nn.Parameter:
+        """Stop reading from the head's panels: keep this rank's rows of `matrix` (the full
+        float matrix, e.g. a weight update's) as the embedding's own again. Returns the new
+        parameter, for the head to share."""
+        rows = self.vocab_end - self.vocab_start
+        weight = torch.zeros(self.rows_per_rank, self.embedding_dim, dtype=torch.float32)
+        weight[:rows].copy_(matrix.narrow(0, self.vocab_start, rows))
+        self.panel_rows = None
+        self.weight = nn.Parameter(weight, requires_grad=False)
+        return self.weight
+
     def _lookup(self, ids: torch.Tensor) -> torch.Tensor:
         panels = self.panel_rows
         if panels is None:
             return F.embedding(ids, self.weight)
-        # Row r of the matrix is column r % 16 of panel r // 16 ([P, hidden, 16]).
-        return panels.data[ids // panel_native.PANEL, :, ids % panel_native.PANEL]
+        if panels.format == "f32":
+            # Row r of the matrix is column r % 16 of panel r // 16 ([P, hidden, 16]).
+            return panels.data[ids // panel_native.PANEL, :, ids % panel_native.PANEL]
+        library = panel_native.load_library()
+        assert library is not None  # such panels are only read with the library loaded
+        return panel_native.rows(library, panels, ids)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Embeddings of `input_ids` [T] -> [T, hidden]."""
@@ -128,11 +147,16 @@ class ParallelLMHead(VocabParallelEmbedding):
     decode step. With `quantization` it is quantized as the linear layers are (int8 / int4
     panels, `ringserve.gpu.layers.quant`), as llama.cpp quantizes its output matrix, keeping
     the codes of a GGUF matrix of that method as they are ("gguf": the method its GGUF type
-    asks for, `gguf_codes.layer_method`); a tied embedding then keeps its float rows for the
-    lookups (with float32 panels it reads them from the panels: `tie_panels`).
+    asks for, `gguf_codes.layer_method`). A tied embedding reads its lookups from the
+    head's panels where they hold its exact values (float32; bf16 panels of a bf16
+    checkpoint; every row a GGUF file's own codes), and keeps its float rows otherwise
+    (`tie_panels`).
     """
 
     packed: torch.Tensor | None = None
+    # The tied embedding that reads its rows from these (non-float32) panels, if any (in a
+    # tuple: a module attribute would register it as this head's submodule).
+    _reader: tuple[VocabParallelEmbedding, ...] = ()
     panel: PanelWeight | None = None
     rows_as_is = 0  # vocabulary rows whose panels hold the GGUF file's codes
 
@@ -194,9 +218,21 @@ class ParallelLMHead(VocabParallelEmbedding):
         """A head tied to `embedding`, with float32 panels: the embedding reads its rows
         from the panels and both drop the plain rows (`read_from_panels`; a float32
         embedding on the CPU), or else the panels are repacked from the rows each time the
-        embedding is loaded again (after processing)."""
+        embedding is loaded again (after processing). With bf16 panels, or int8 / int4
+        panels that hold every row as the GGUF file's codes, the embedding reads them too
+        (the same values it holds: a 49152 x 576 float32 table is 113 MB); a weight update
+        gives it float rows of its own again (`refresh_from`)."""
         panel = self.panel
-        if panel is None or panel.format != "f32":
+        if panel is None:
+            return
+        if panel.format != "f32":
+            exact = (panel.format == "bf16"
+                     or self.rows_as_is == self.vocab_end - self.vocab_start)
+            if (exact and embedding.weight.dtype == torch.float32
+                    and embedding.weight.device.type == "cpu"
+                    and panel_native.load_library() is not None):
+                self.weight = embedding.read_from_panels(panel)
+                self._reader = (embedding,)
             return
         if embedding.weight.dtype == torch.float32 and embedding.weight.device.type == "cpu":
             self.weight = embedding.read_from_panels(panel)  # still one shared parameter
@@ -215,6 +251,9 @@ class ParallelLMHead(VocabParallelEmbedding):
             self.weight.data.copy_(loaded.weight.data)
         if self.panel is not None:
             refresh_panel(self.panel, loaded.weight.data, None, self.quantization)
+            for reader in self._reader:  # re-rounded panels: the lookups take float rows
+                self.weight = reader.untie(loaded.weight.data)
+                self._reader, self.rows_as_is = (), 0
         elif self.packed is not None:
             self.packed = pack_weight(loaded.weight.data)
 

@@ -67,11 +67,11 @@ typedef struct {
     int64_t rotary_dim, max_position, num_slots, block_size, vocab;
     float eps, scale;
     const float *cos_sin;    /* [2, max_position, rotary_dim] */
-    const float *embedding;  /* [vocab, hidden], or a tied LM head's [P, hidden, 16] panels */
+    const float *embedding;  /* [vocab, hidden] (unused with embedding_rows) */
     const float *final_norm; /* [hidden] */
     const rs_layer *layers;
-    int64_t embedding_panels; /* nonzero: `embedding` is panels (row r: column r % RS_PANEL of
-                               * panel r / RS_PANEL) */
+    const rs_weight *embedding_rows; /* non-NULL: the rows are a tied LM head's panels, read
+                                      * by rs_panel_row (any format) */
 } rs_model;
 
 typedef struct {
@@ -366,10 +366,8 @@ int rs_decode_step(const rs_model *m, const rs_step *s)
 #pragma omp for schedule(static)
         for (int64_t i = 0; i < n; i++) {
             const int64_t t = s->token_ids[i];
-            if (m->embedding_panels) {
-                const float *p = m->embedding + (t / RS_PANEL) * hid * RS_PANEL + t % RS_PANEL;
-                for (int64_t j = 0; j < hid; j++)
-                    residual[i * hid + j] = p[j * RS_PANEL];
+            if (m->embedding_rows != NULL) {
+                rs_panel_row(m->embedding_rows, t, residual + i * hid);
             } else {
                 memcpy(residual + i * hid, m->embedding + t * hid, sizeof(float) * (size_t)hid);
             }

@@ -56,6 +56,13 @@ void rs_bf16_panels(const rs_weight *w, const float *x, int64_t m, int64_t ldx, 
 void rs_panels(const rs_weight *w, const float *x, int64_t m, int64_t ldx, float *y,
                int64_t ldy, int64_t p0, int64_t p1);
 
+/* Row r of w's logical [n, k] weight (output channel r < n), as float32 into out[k]: the
+ * values its kernel multiplies by (int8: code * scale; int4: code * scale + min, rounded
+ * once each; bf16: widened). A tied embedding's lookups read its LM head's panels so. */
+void rs_panel_row(const rs_weight *w, int64_t r, float *out);
+/* rs_panel_row for ids[0 .. n - 1] into out [n, k], on `nthreads` threads. Returns 0. */
+int rs_panel_rows(const rs_weight *w, const int64_t *ids, int64_t n, float *out, int nthreads);
+
 /* Inside a parallel region, every thread of the team calls this: the panels are split
  * statically over the team (an orphaned `omp for`, with its barrier). */
 void rs_linear_team(const rs_weight *w, const float *x, int64_t m, int64_t ldx, float *y,

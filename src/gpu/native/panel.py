@@ -284,6 +284,24 @@ def unpack_float(weight: PanelWeight) -> torch.Tensor:
     return unpack_f32(weight).float()
 
 
+def rows(library: ctypes.CDLL, weight: PanelWeight, ids: torch.Tensor) -> torch.Tensor:
+    """Rows `ids` of the weight as float32 `[len(ids), k]`, read out of its panels in any
+    format (`rs_panel_rows`: the values the kernel multiplies by; the bias is not added). A
+    tied embedding's lookups from its LM head's panels.
+
+    Raises:
+        ValueError: an id outside 0 .. n - 1.
+    """
+    flat = ids.reshape(-1).to(torch.int64).contiguous()
+    if flat.numel() and (int(flat.min()) < 0 or int(flat.max()) >= weight.out_features):
+        raise ValueError(f"panel rows: ids outside 0..{weight.out_features - 1}")
+    out = torch.empty(flat.numel(), weight.in_features, dtype=torch.float32)
+    if flat.numel():
+        library.rs_panel_rows(ctypes.byref(weight.struct), flat.data_ptr(), flat.numel(),
+                              out.data_ptr(), torch.get_num_threads())
+    return out.reshape(*ids.shape, weight.in_features)
+
+
 def linear(library: ctypes.CDLL, x: torch.Tensor, weight: PanelWeight) -> torch.Tensor:
     """`x @ W^T + bias` for float32 `x` [..., k], on torch's thread count.
 
@@ -349,6 +367,8 @@ def _load() -> ctypes.CDLL | None:
     library.rs_pack_f32_rows.restype = ctypes.c_int
     library.rs_pack_f32_batch.argtypes = [ptr, i64, ctypes.c_int]
     library.rs_pack_f32_batch.restype = ctypes.c_int
+    library.rs_panel_rows.argtypes = [ptr, ptr, i64, ptr, ctypes.c_int]
+    library.rs_panel_rows.restype = ctypes.c_int
     _declare_step(library)
     _declare_moe(library)
     return library

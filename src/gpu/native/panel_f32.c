@@ -330,6 +330,65 @@ void rs_panels(const rs_weight *w, const float *x, int64_t m, int64_t ldx, float
             y[i * ldy + c] += w->bias[c];
 }
 
+/* No contraction into FMAs: int4's code * scale + min is rounded after the product, as a
+ * dequantized weight is (GGUF's own dequantization, torch's mul then add). */
+__attribute__((optimize("fp-contract=off"))) void rs_panel_row(const rs_weight *w, int64_t r,
+                                                               float *out)
+{
+    const int64_t k = w->k, p = r / RS_PANEL, l = r % RS_PANEL, groups = k / RS_INT4_GROUP;
+    switch (w->format) {
+    case RS_BF16: {
+        const uint16_t *d = (const uint16_t *)w->data + p * k * RS_PANEL + l;
+        for (int64_t j = 0; j < k; j++) {
+            const uint32_t bits = (uint32_t)d[j * RS_PANEL] << 16;
+            memcpy(out + j, &bits, sizeof(float));
+        }
+        break;
+    }
+    case RS_INT8: {
+        const int8_t *d = (const int8_t *)w->data + p * k * RS_PANEL + l;
+        const float scale = w->scales[r];
+        for (int64_t j = 0; j < k; j++)
+            out[j] = (float)d[j * RS_PANEL] * scale;
+        break;
+    }
+    case RS_INT8G: {
+        const int8_t *d = (const int8_t *)w->data + p * k * RS_PANEL + l;
+        const float *scales = w->scales + p * groups * RS_PANEL + l;
+        for (int64_t j = 0; j < k; j++)
+            out[j] = (float)d[j * RS_PANEL] * scales[(j / RS_INT4_GROUP) * RS_PANEL];
+        break;
+    }
+    case RS_INT4: {
+        const uint8_t *d = (const uint8_t *)w->data + p * (k / 2) * RS_PANEL + l;
+        const float *scales = w->scales + p * groups * RS_PANEL + l;
+        const float *mins = w->mins + p * groups * RS_PANEL + l;
+        for (int64_t j = 0; j < k; j++) {
+            const uint8_t byte = d[(j / 2) * RS_PANEL];
+            const int code = j & 1 ? byte >> 4 : byte & 15;
+            const int64_t g = (j / RS_INT4_GROUP) * RS_PANEL;
+            const float scaled = (float)code * scales[g];
+            out[j] = scaled + mins[g];
+        }
+        break;
+    }
+    default: {
+        const float *d = (const float *)w->data + p * k * RS_PANEL + l;
+        for (int64_t j = 0; j < k; j++)
+            out[j] = d[j * RS_PANEL];
+        break;
+    }
+    }
+}
+
+int rs_panel_rows(const rs_weight *w, const int64_t *ids, int64_t n, float *out, int nthreads)
+{
+#pragma omp parallel for num_threads(nthreads) schedule(static)
+    for (int64_t i = 0; i < n; i++)
+        rs_panel_row(w, ids[i], out + i * w->k);
+    return 0;
+}
+
 void rs_linear_team(const rs_weight *w, const float *x, int64_t m, int64_t ldx, float *y,
                     int64_t ldy)
 {

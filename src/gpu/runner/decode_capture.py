@@ -67,7 +67,7 @@ class _RsModel(ctypes.Structure):
         ("max_position", _i64), ("num_slots", _i64), ("block_size", _i64), ("vocab", _i64),
         ("eps", ctypes.c_float), ("scale", ctypes.c_float),
         ("cos_sin", _ptr), ("embedding", _ptr), ("final_norm", _ptr), ("layers", _ptr),
-        ("embedding_panels", _i64),
+        ("embedding_rows", _ptr),
     ]
 
 
@@ -137,17 +137,20 @@ class DecodeCapture:
         self._layers = layers
         cos_sin = stack.rotary.cos_sin
         embed = stack.embed_tokens
-        # A tied LM head's panels hold the rows (`VocabParallelEmbedding.read_from_panels`).
-        table = embed.weight if embed.panel_rows is None else embed.panel_rows.data
+        # A tied LM head's panels hold the rows (`VocabParallelEmbedding.read_from_panels`):
+        # the step reads them from there, in whatever format the head has.
+        rows = embed.panel_rows
+        table = embed.weight if rows is None else rows.data
         self._model = _RsModel(
             len(kv_caches), spec.hidden_size, attn.num_heads, attn.num_kv_heads, attn.head_dim,
             max(spec.intermediate_size, getattr(spec, "shared_expert_intermediate_size", 0)),
             stack.rotary.rotary_dim, cos_sin.shape[1], self._num_slots,
             block_size, embed.vocab_end - embed.vocab_start, first.input_layernorm.eps,
             attn.scale, cos_sin.data_ptr(), table.data_ptr(),
-            _data(stack.norm), ctypes.addressof(layers), int(embed.panel_rows is not None),
+            _data(stack.norm), ctypes.addressof(layers),
+            None if rows is None else ctypes.addressof(rows.struct),
         )
-        self._keep.extend([cos_sin, table])
+        self._keep.extend([cos_sin, table, rows])
         self.sizes = sizes
         self.max_batch = sizes[-1] if max_batch is None else min(sizes[-1], max_batch)
         floats = library.rs_step_work_floats(ctypes.byref(self._model), self.max_batch)

