@@ -10,10 +10,14 @@ process that builds it (the CLI's, or the one calling `LLM(...)`):
   stay bf16, in bf16 panels (`ringserve.gpu.native.panel`, `panel_bf16.c`: the bf16 bits
   widened to float32 in registers), and the model computes in float32 around them. A decode
   step reads half the bytes float32 panels would (it is bound by them), and every product is
-  float32 arithmetic on the checkpoint's own values: the results are a float32 model's loaded
-  from the same checkpoint, more precise than bf16 activations (`--dtype bfloat16`, torch's
-  bf16 matmuls, no fused decode step) and, measured, faster (issue 48). Widening needs no
-  native bf16, so this holds on any x86 CPU. The KV cache stays float32.
+  float32 arithmetic on the checkpoint's own values: decodes and prefill chunks under 512
+  tokens give what a float32 model loaded from the same checkpoint gives, more precise than
+  bf16 activations (`--dtype bfloat16`, torch's bf16 matmuls, no fused decode step) and,
+  measured, faster (issue 48). Widening needs no native bf16, so this holds on any x86 CPU.
+  On a CPU with native bf16 (AVX512-BF16 / AMX-BF16), a prefill chunk of 512 tokens or more
+  multiplies and attends in bf16 as any bf16 model does (oneDNN's AMX GEMM, torch's bf16
+  flash attention: 2.5x float32's prefill speed at 4,096 tokens); elsewhere it stays float32.
+  The KV cache stays float32.
 - `gguf_quantization`: a quantized GGUF file is served from its codes by default, as vLLM
   serves GGUF files: `quantization="gguf"` puts every linear and the LM head on the panels its
   tensors' types ask for (`ringserve.checkpoint.gguf_codes.layer_method`: Q4_0 / Q4_1 / Q4_K

@@ -1,5 +1,6 @@
 """bf16 checkpoints on CPU (issue 48.3): the linears and the LM head keep the checkpoint's bf16
-in bf16 panels (`panel_bf16.c`), the model computes in float32 around them.
+in bf16 panels (`panel_bf16.c`), the model computes in float32 around them (prefill chunks of
+MANY_ROWS tokens and more: a bf16 GEMM where the CPU has native bf16).
 
 The kernel against `F.linear` on the same (bf16-valued) weights at every tile height and
 thread count, the fallback without the library, the layers' packing and refresh, and whole
@@ -53,14 +54,38 @@ def test_bf16_kernel_matches_f_linear(n: int, k: int, threads: int) -> None:
     old = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        # every tile height (1 row; 2..8 rows; splits of 9..17), row blocks of 48, and the
-        # many-row hand-off to torch's GEMM (>= MANY_ROWS)
-        for rows in [*range(1, 18), 48, 64, 97, panel_native.MANY_ROWS + 3]:
+        # every tile height (1 row; 2..8 rows; splits of 9..17) and row blocks of 48 (the
+        # many-row hand-off: the test below)
+        for rows in [*range(1, 18), 48, 64, 97]:
             x = torch.randn(rows, k, generator=gen)
             got = panel_native.linear(LIBRARY, x, panels)
             torch.testing.assert_close(got, F.linear(x, weight, bias), atol=1e-4, rtol=1e-5)
     finally:
         torch.set_num_threads(old)
+
+
+@needs_library
+@pytest.mark.parametrize("native", [True, False], ids=["native-bf16", "no-bf16"])
+def test_many_rows_go_to_a_bf16_gemm_where_the_cpu_has_bf16(
+        native: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """From MANY_ROWS rows on: with native bf16 a bf16 GEMM (rows rounded to bf16, the sums
+    rounded to bf16: what transformers' bf16 matmul gives, bias added in float32); without
+    it the float32 GEMM on the widened weight (float32 rounding only)."""
+    assert LIBRARY is not None
+    if native and not panel_native.native_bf16():
+        pytest.skip("this CPU has no native bf16 (AVX512-BF16 / AMX-BF16)")
+    monkeypatch.setattr(panel_native, "_native_bf16", [native])
+    weight = _bf16_valued(100, 576, 11)
+    bias = torch.randn(100, generator=torch.Generator().manual_seed(12))
+    panels = panel_native.pack_bf16(weight, bias)
+    x = torch.randn(panel_native.MANY_ROWS + 3, 576, generator=torch.Generator().manual_seed(13))
+    got = panel_native.linear(LIBRARY, x, panels)
+    assert got.dtype == torch.float32
+    if native:
+        want = F.linear(x.bfloat16(), weight.bfloat16()).float() + bias
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    else:
+        torch.testing.assert_close(got, F.linear(x, weight, bias), atol=1e-4, rtol=1e-5)
 
 
 def test_bf16_panels_without_the_library(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -233,3 +258,57 @@ def test_tied_embedding_reads_bf16_panels_and_a_weight_update_unties_it() -> Non
     assert embed.panel_rows is None and head.weight is embed.weight
     assert torch.equal(embed(ids), new[ids])
     torch.testing.assert_close(head.compute_logits(x), x @ new.T, atol=1e-4, rtol=1e-5)
+
+
+# -- long prefills of a bf16 checkpoint on a CPU with native bf16 ------------------------------
+
+
+def test_runner_sets_bf16_prefill_attention_only_for_bf16_panels_on_native_bf16(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    for native in (True, False):
+        monkeypatch.setattr(panel_native, "_native_bf16", [native])
+        runner = make_runner(_bf16_checkpoint("llama"))
+        assert runner.backend.prefill_dtype == (torch.bfloat16 if native else None)  # type: ignore[union-attr]
+    monkeypatch.setattr(panel_native, "_native_bf16", [True])
+    assert make_runner(tiny_model("llama")).backend.prefill_dtype is None  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize("context", [0, 40])
+def test_long_prefill_attends_in_the_prefill_dtype(context: int) -> None:
+    """`attend_requests` with prefill_dtype bf16: a request of PREFILL_CAST_ROWS rows or more
+    attends on bf16 q, k, v (SDPA run in bf16, converted back: a fresh prompt, and a chunk
+    after context by tiles), a shorter one stays float32 (equal to no prefill_dtype)."""
+    from ringserve.gpu.attention import torch_ref
+    from ringserve.gpu.attention.metadata import AttentionMetadata
+
+    heads, kv_heads, dim, block = 4, 2, 16, 16
+    gen = torch.Generator().manual_seed(14)
+    for rows in (torch_ref.PREFILL_CAST_ROWS, 24):
+        seq = context + rows
+        blocks = -(-seq // block)
+        cache = torch.randn(2, blocks, block, kv_heads, dim, generator=gen)
+        query = torch.randn(rows, heads, dim, generator=gen)
+        meta = AttentionMetadata(
+            slot_mapping=torch.zeros(rows, dtype=torch.long),
+            query_start_loc=torch.tensor([0, rows], dtype=torch.int32),
+            seq_lens=torch.tensor([seq], dtype=torch.int32),
+            block_table=torch.arange(blocks, dtype=torch.int32)[None],
+            token_to_req=torch.zeros(rows, dtype=torch.int32), max_query_len=rows,
+            max_seq_len=seq, query_start_loc_cpu=[0, rows], seq_lens_cpu=[seq])
+        requests = [(0, torch.arange(blocks))]
+        out32, out16 = torch.empty_like(query), torch.empty_like(query)
+        torch_ref.attend_requests(query, cache, meta, requests, 0.25, out32)
+        torch_ref.attend_requests(query, cache, meta, requests, 0.25, out16,
+                                  prefill_dtype=torch.bfloat16)
+        if rows < torch_ref.PREFILL_CAST_ROWS:
+            assert torch.equal(out16, out32)
+            continue
+        k = cache[0].flatten(0, 1)[:seq].transpose(0, 1)
+        v = cache[1].flatten(0, 1)[:seq].transpose(0, 1)
+        mask = torch.arange(seq)[None, :] <= torch.arange(context, seq)[:, None]
+        want = F.scaled_dot_product_attention(
+            query.transpose(0, 1)[None].bfloat16(), k[None].bfloat16(), v[None].bfloat16(),
+            attn_mask=mask, scale=0.25, enable_gqa=True)[0].transpose(0, 1).float()
+        torch.testing.assert_close(out16, want, atol=2e-2, rtol=2e-2)
+        assert not torch.equal(out16, out32)  # it did run in bf16
+        torch.testing.assert_close(out16, out32, atol=3e-2, rtol=3e-2)

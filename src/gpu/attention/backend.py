@@ -108,6 +108,9 @@ class TorchAttentionBackend:
     """
 
     name = "torch"
+    # Long prefills attend in this dtype (`torch_ref.attend_requests`); set by the model
+    # runner for a bf16 checkpoint's bf16 panels on a CPU with native bf16.
+    prefill_dtype: torch.dtype | None = None
 
     def __init__(self) -> None:
         self.plans = StepPlans(torch_ref.plan_attention)
@@ -137,6 +140,7 @@ class TorchAttentionBackend:
         return torch_ref.paged_attention(
             query, kv_cache, meta, scale, self.plans.get(meta, kv_cache, sliding_window),
             sliding_window=sliding_window, logits_soft_cap=logits_soft_cap,
+            prefill_dtype=self.prefill_dtype,
         )
 
 
@@ -194,7 +198,8 @@ class CpuAttentionBackend(TorchAttentionBackend):
                                     sliding_window=sliding_window,
                                     logits_soft_cap=logits_soft_cap)
         torch_ref.attend_requests(query, kv_cache, meta, plan.requests, scale, out,
-                                  sliding_window=sliding_window, logits_soft_cap=logits_soft_cap)
+                                  sliding_window=sliding_window, logits_soft_cap=logits_soft_cap,
+                                  prefill_dtype=self.prefill_dtype)
         return out
 
 

@@ -77,6 +77,9 @@ _GROUP_BYTES = 4 << 20
 # module docstring). Of 128, 256 and 512, 256 was fastest or within noise of it (a 4,096-token
 # prompt and a 2,048 chunk after 2,048; 2 threads, float32 and bfloat16).
 _PREFILL_TILE = 256
+# Query rows from which `prefill_dtype` applies (the many-row GEMMs' threshold, MANY_ROWS of
+# ringserve.gpu.native.panel: shorter prefills and decodes stay float32).
+PREFILL_CAST_ROWS = 512
 
 # Most elements of one tile's mask ([rows, keys] bool, which SDPA turns into an additive mask
 # of the query's dtype: 20 MB at float32): past 16 Ki keys, tiles get fewer rows.
@@ -196,6 +199,7 @@ def paged_attention(
     *,
     sliding_window: int | None = None,
     logits_soft_cap: float | None = None,
+    prefill_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """Attention of the new queries [T, Hq, D] over each request's cached sequence.
 
@@ -210,6 +214,8 @@ def paged_attention(
             across layers.
         sliding_window: a query at position p sees keys p - sliding_window + 1 .. p only.
         logits_soft_cap: scores become cap * tanh(scores / cap) before the softmax.
+        prefill_dtype: a request of `PREFILL_CAST_ROWS` query rows or more attends in this
+            dtype (`attend_requests`).
 
     Returns:
         [T, Hq, D] in the query's dtype.
@@ -230,7 +236,8 @@ def paged_attention(
     for group in plan.groups:
         out.index_copy_(0, group.token_rows, _batched_decode(query, kv_cache, scale, group, cap))
     attend_requests(query, kv_cache, meta, plan.requests, scale, out,
-                    sliding_window=sliding_window, logits_soft_cap=cap)
+                    sliding_window=sliding_window, logits_soft_cap=cap,
+                    prefill_dtype=prefill_dtype)
     return out
 
 
@@ -244,11 +251,15 @@ def request_blocks(table: np.ndarray, lens: np.ndarray, indices: list[int], bloc
 def attend_requests(query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
                     requests: list[tuple[int, torch.Tensor]], scale: float,
                     out: torch.Tensor, *, sliding_window: int | None = None,
-                    logits_soft_cap: float | None = None) -> None:
+                    logits_soft_cap: float | None = None,
+                    prefill_dtype: torch.dtype | None = None) -> None:
     """Attend each of `requests` (multi-token queries) on its own, into its rows of `out`.
 
     Query row j of request i sits at position seq_lens[i] - query_len + j (`metadata`); with
-    a window, keys before the earliest row's window are not read.
+    a window, keys before the earliest row's window are not read. With `prefill_dtype`, a
+    request of `PREFILL_CAST_ROWS` rows or more attends with q, k and v in that dtype (a
+    bf16 checkpoint's long prefill on a CPU with native bf16: torch's bf16 flash kernel,
+    ~3x float32's), its output converted back.
     """
     qsl, lens = meta.query_start_loc_cpu, meta.seq_lens_cpu
     block_size = kv_cache.shape[2]
@@ -264,7 +275,10 @@ def attend_requests(query: torch.Tensor, kv_cache: torch.Tensor, meta: Attention
         k = kv_cache[0].index_select(0, used).flatten(0, 1)[:seq_len - first].transpose(0, 1)
         v = kv_cache[1].index_select(0, used).flatten(0, 1)[:seq_len - first].transpose(0, 1)
         q = query[start:end].transpose(0, 1)
-        _prefill(q[None], k.to(q.dtype)[None], v.to(q.dtype)[None], seq_len, scale,
+        dtype = q.dtype
+        if prefill_dtype is not None and end - start >= PREFILL_CAST_ROWS:
+            dtype, q = prefill_dtype, q.to(prefill_dtype)
+        _prefill(q[None], k.to(dtype)[None], v.to(dtype)[None], seq_len, scale,
                  out[start:end], window, logits_soft_cap)
 
 

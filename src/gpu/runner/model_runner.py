@@ -26,8 +26,9 @@ from typing import Any
 import numpy as np
 import torch
 
+from ringserve.checkpoint.precision import BF16_WEIGHTS
 from ringserve.config import EngineConfig
-from ringserve.gpu.attention.backend import BackendName, select_backend
+from ringserve.gpu.attention.backend import BackendName, TorchAttentionBackend, select_backend
 from ringserve.gpu.layers.parallel import TPGroup
 from ringserve.gpu.models.llama import LlamaForCausalLM
 from ringserve.gpu.models.moe import MoeForCausalLM
@@ -83,6 +84,11 @@ class ModelRunner:
         self.device = device
         self.tp = tp or TPGroup()
         self.backend = select_backend(device, attention_backend)
+        if (isinstance(self.backend, TorchAttentionBackend)
+                and self.model_config.weight_format == BF16_WEIGHTS and panel_native.native_bf16()):
+            # A bf16 checkpoint's long prefills attend in bf16, as its GEMMs multiply
+            # (`ringserve.gpu.native.panel._bf16_rows`); decodes stay float32.
+            self.backend.prefill_dtype = torch.bfloat16
         self.kv_spec = KVCacheSpec.from_config(
             config.model_config, config.cache_config, self.tp.world_size
         )
