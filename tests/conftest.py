@@ -45,6 +45,8 @@ LONG = {
         "test_http_server.py::test_engine_death_ends_streams_then_exits_one",
     "tests/scripts/test_rl_loop_example.py": "test_weight_sync.py",
     "tests/test_cli.py::test_demo_model_writes_a_loadable_directory": "the demo fixtures",
+    "tests/scripts/test_gpu_check.py::test_cpu_dry_run_end_to_end":
+        "the gpu_check unit tests (wheel plan, step guard)",
     "tests/http/test_http_group_stop.py::test_group_signal_repeated":
         "test_group_signal_drains_and_exits_zero (each stop once)",
     "tests/http/test_http_group_stop.py::"
