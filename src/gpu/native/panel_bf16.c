@@ -85,12 +85,14 @@ static inline __attribute__((always_inline)) void acc_store(float *out, acc_t c)
 }
 #endif
 
-/* One row: even and odd inputs in two chains, so the FMA latency hides behind the loads. */
-static void row1(const float *x, const uint16_t *p, int64_t k, float *out)
+/* One row: even and odd inputs in two chains, so the FMA latency hides behind the loads; the
+ * next panel is fetched into L2 on the way (one 64-byte line per two inputs). */
+static void row1(const float *x, const uint16_t *p, int64_t k, float *out, const uint16_t *pf)
 {
     acc_t even = acc_zero(), odd = acc_zero();
     int64_t j = 0;
     for (; j + 2 <= k; j += 2) {
+        _mm_prefetch((const char *)(pf + j * RS_PANEL), _MM_HINT_T1);
         even = fma_x(x[j], widen(p + j * RS_PANEL), even);
         odd = fma_x(x[j + 1], widen(p + (j + 1) * RS_PANEL), odd);
     }
@@ -169,7 +171,7 @@ void rs_bf16_panels(const rs_weight *w, const float *x, int64_t m, int64_t ldx, 
         for (int64_t i = 0; i < m;) {
             const int64_t rows = m == 1 ? 1 : tile_rows(m, i);
             if (rows == 1)
-                row1(x + i * ldx, panel, w->k, out); /* streams at the bandwidth */
+                row1(x + i * ldx, panel, w->k, out, next);
             else
                 tiles[rows](x + i * ldx, ldx, panel, w->k, out, i == 0 ? next : panel);
             for (int64_t r = 0; r < rows; r++)
