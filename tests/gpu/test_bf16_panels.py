@@ -179,9 +179,11 @@ def test_bf16_checkpoint_matches_transformers_in_float32(family: str) -> None:
 
 @pytest.mark.slow
 @needs_library
-def test_llm_serves_a_bf16_checkpoint_token_exact_for_32_tokens() -> None:
-    """Through the engine (its fused decode step reads the bf16 panels), 32 greedy tokens of
-    each prompt equal transformers' float32 forward on the same bf16 checkpoint."""
+@pytest.mark.parametrize("tp", [1, 2])
+def test_llm_serves_a_bf16_checkpoint_token_exact_for_32_tokens(tp: int) -> None:
+    """Through the engine (its fused decode step reads the bf16 panels; TP = 2: two workers,
+    each with its shard's panels and its vocabulary rows of the tied head), 32 greedy tokens
+    of each prompt equal transformers' float32 forward on the same bf16 checkpoint."""
     model_dir = _bf16_checkpoint("qwen2")  # tied LM head: its own bf16 panels
     from transformers import AutoModelForCausalLM
 
@@ -194,7 +196,9 @@ def test_llm_serves_a_bf16_checkpoint_token_exact_for_32_tokens() -> None:
                           min_new_tokens=32)
         expected.append(out[0, len(prompt):].tolist())
     params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
-    with LLM(str(model_dir), device="cpu", kv_cache_memory=16 << 20, max_num_seqs=4) as llm:
+    executor = {"distributed_executor_backend": "mp"} if tp > 1 else {}
+    with LLM(str(model_dir), device="cpu", kv_cache_memory=16 << 20, max_num_seqs=4,
+             tensor_parallel_size=tp, **executor) as llm:  # type: ignore[arg-type]
         outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params,
                                use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outputs] == expected
