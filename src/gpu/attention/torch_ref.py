@@ -62,6 +62,7 @@ import torch
 import torch.nn.functional as F
 
 from ringserve.gpu.attention.metadata import AttentionMetadata
+from ringserve.gpu.native.panel import MANY_ROWS
 
 # A padded decode call costs about this many key positions (summed over its rows) of work in
 # fixed overhead (its index_select, SDPA and copy-back calls); a group is split where the
@@ -77,9 +78,9 @@ _GROUP_BYTES = 4 << 20
 # module docstring). Of 128, 256 and 512, 256 was fastest or within noise of it (a 4,096-token
 # prompt and a 2,048 chunk after 2,048; 2 threads, float32 and bfloat16).
 _PREFILL_TILE = 256
-# Query rows from which `prefill_dtype` applies (the many-row GEMMs' threshold, MANY_ROWS of
-# ringserve.gpu.native.panel: shorter prefills and decodes stay float32).
-PREFILL_CAST_ROWS = 512
+# Query rows from which `prefill_dtype` applies: the many-row GEMMs' threshold, so a chunk's
+# attention and its linears switch together (shorter prefills and decodes stay float32).
+PREFILL_CAST_ROWS = MANY_ROWS
 
 # Most elements of one tile's mask ([rows, keys] bool, which SDPA turns into an additive mask
 # of the query's dtype: 20 MB at float32): past 16 Ki keys, tiles get fewer rows.

@@ -225,23 +225,21 @@ class ParallelLMHead(VocabParallelEmbedding):
         panel = self.panel
         if panel is None:
             return
+        readable = (embedding.weight.dtype == torch.float32
+                    and embedding.weight.device.type == "cpu")
+        if panel.format == "f32" and not readable:
+            def repack() -> None:
+                panel_native.to_panels(self.weight.data, out=panel.data)
+
+            embedding.on_load = repack
+            return
         if panel.format != "f32":
             exact = (panel.format == "bf16"
                      or self.rows_as_is == self.vocab_end - self.vocab_start)
-            if (exact and embedding.weight.dtype == torch.float32
-                    and embedding.weight.device.type == "cpu"
-                    and panel_native.load_library() is not None):
-                self.weight = embedding.read_from_panels(panel)
-                self._reader = (embedding,)
-            return
-        if embedding.weight.dtype == torch.float32 and embedding.weight.device.type == "cpu":
-            self.weight = embedding.read_from_panels(panel)  # still one shared parameter
-            return
-
-        def repack() -> None:
-            panel_native.to_panels(self.weight.data, out=panel.data)
-
-        embedding.on_load = repack
+            if not (exact and readable and panel_native.load_library() is not None):
+                return
+            self._reader = (embedding,)
+        self.weight = embedding.read_from_panels(panel)  # still one shared parameter
 
     def refresh_from(self, loaded: ParallelLMHead) -> None:
         """New weights in place from the same head of a just-loaded, unprocessed model (a
@@ -251,8 +249,8 @@ class ParallelLMHead(VocabParallelEmbedding):
             self.weight.data.copy_(loaded.weight.data)
         if self.panel is not None:
             refresh_panel(self.panel, loaded.weight.data, None, self.quantization)
-            for reader in self._reader:  # re-rounded panels: the lookups take float rows
-                self.weight = reader.untie(loaded.weight.data)
+            if self._reader:  # re-rounded panels: the lookups take float rows again
+                self.weight = self._reader[0].untie(loaded.weight.data)
                 self._reader, self.rows_as_is = (), 0
         elif self.packed is not None:
             self.packed = pack_weight(loaded.weight.data)
