@@ -255,7 +255,8 @@ def startup_line(dtype: DType, dtype_why: str, quantization: str | None,
     head = f"dtype {dtype} ({dtype_why}); weights "
     if weight_format == BF16_WEIGHTS:
         return (f"{head}bf16 panels for the linears and the LM head (the checkpoint's own "
-                "bf16 values); embedding lookups, norms and the KV cache float32")
+                "bf16 values; a tied embedding reads its rows there); norms and the KV "
+                "cache float32")
     if gguf_weights is not None:
         if quantization is None:
             return f"{head}{dtype}, {gguf_weights}"

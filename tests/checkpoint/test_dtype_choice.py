@@ -77,8 +77,8 @@ def test_auto_serves_a_bf16_checkpoint_in_float32_on_cpu(
         "dtype float32 (--dtype auto computes in float32 on CPU around the checkpoint's "
         "bfloat16 weights, kept in bf16 panels: half the bytes a token reads, float32 "
         "products; --dtype bfloat16 for bf16 activations); weights bf16 panels for the "
-        "linears and the LM head (the checkpoint's own bf16 values); embedding lookups, "
-        "norms and the KV cache float32")
+        "linears and the LM head (the checkpoint's own bf16 values; a tied embedding reads "
+        "its rows there); norms and the KV cache float32")
     assert not _lines(caplog, logging.WARNING)
 
 
