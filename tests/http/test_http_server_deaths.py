@@ -140,7 +140,17 @@ async def _kill_core_under_streams(
         with trio.fail_after(30):
             for event in started:
                 await event.wait()
-        os.kill(core, signal.SIGKILL)
+        # The clock starts when the core has exited, not when the signal is sent: a SIGKILLed
+        # process with large mappings takes tens of ms to tear down, and until its pidfd is
+        # readable nobody (the server included) can know it is dead (CI once probed 200 at
+        # 24 ms after the kill).
+        pidfd = os.pidfd_open(core)
+        try:
+            os.kill(core, signal.SIGKILL)
+            with trio.fail_after(10):
+                await trio.lowlevel.wait_readable(pidfd)
+        finally:
+            os.close(pidfd)
         killed = time.monotonic()
         probes = await _probe_health(live.url, killed, until_healthy=until_healthy)
     return core, workers, probes, ended, killed
