@@ -382,6 +382,44 @@ class StructuredOutputsConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class SpecDecodeConfig:
+    """Speculative decoding, resolved (`--speculative-config`; built by
+    `ringserve.gpu.spec_decode.config.resolve_speculative_config`, which owns the rules).
+
+    Here rather than beside its resolver: it holds the draft's `ModelConfig` and the engine's
+    config holds it, so it lives with both (the resolver imports this module, not the reverse).
+
+    Attributes:
+        method: "ngram" (drafts copied from an earlier match of the last n tokens in the
+            request's own tokens) or "draft_model" (a smaller model with the target's
+            vocabulary proposes them).
+        num_speculative_tokens: drafts proposed per request per step (1..16).
+        prompt_lookup_min, prompt_lookup_max: the n-gram lengths tried, longest first (ngram;
+            0 for draft_model).
+        draft_model_config: the draft model (draft_model; None for ngram). Its
+            `max_model_len` is the target's, or less when the user's `max_model_len` asks:
+            a sequence longer than that gets no drafts.
+        draft_tensor_parallel_size: the draft's TP degree, 1 or the target's (1 for ngram).
+        per_batch_size: (min_batch, k) pairs, ascending: a decode batch of at least
+            `min_batch` requests uses `k` drafts (0: none), the last pair that fits winning;
+            empty: always `num_speculative_tokens`.
+    """
+
+    method: Literal["ngram", "draft_model"]
+    num_speculative_tokens: int
+    prompt_lookup_min: int
+    prompt_lookup_max: int
+    draft_model_config: ModelConfig | None
+    draft_tensor_parallel_size: int
+    per_batch_size: tuple[tuple[int, int], ...] = ()
+
+    @property
+    def uses_draft_model(self) -> bool:
+        """A draft model proposes (it has weights and a KV cache of its own)."""
+        return self.method == "draft_model"
+
+
+@dataclass(frozen=True, slots=True)
 class EngineConfig:
     """The whole configuration of one engine, passed from the edge to every layer."""
 
@@ -399,3 +437,5 @@ class EngineConfig:
     # an update may wait for the trainer (`--weight-transfer-timeout-s`).
     weight_transfer_config: WeightTransferConfig | None = None
     weight_transfer_timeout_s: float = 60.0
+    # Speculative decoding (`--speculative-config`; None: off).
+    speculative_config: SpecDecodeConfig | None = None

@@ -6,8 +6,9 @@
 
 - `NO_EFFECT`: accepted, with one start-up log line saying it has no effect (`no_effect_lines`)
   because the thing it tunes does not exist here and outputs stay the same.
-- `REFUSED`: a feature ringserve does not have and that would change outputs (speculative
-  decoding, LoRA, ...): giving the flag is a usage error naming it, never silently ignored.
+- `REFUSED`: a feature ringserve does not have and that would change outputs (LoRA, ...), or
+  a flag vLLM itself replaced (`--speculative-model`: `--speculative-config`): giving the flag
+  is a usage error naming it, never silently ignored.
 - `ONLY_VALUES`: a flag whose default (or another listed value) is what ringserve does; any
   other value is a usage error naming the supported ones (`--kv-cache-dtype fp8`).
 
@@ -91,13 +92,15 @@ NO_EFFECT: tuple[NoEffect, ...] = (
     NoEffect(("--disable-fastapi-docs",), "ringserve serves no OpenAPI docs"),
 )
 
-_NO_SPECULATIVE = "speculative decoding is not implemented"
+# vLLM removed these two in favour of --speculative-config, which ringserve takes.
+_SPECULATIVE_CONFIG = ("vLLM replaced it with --speculative-config; use --speculative-config "
+                       "'{\"method\": \"draft_model\", \"model\": DRAFT, "
+                       "\"num_speculative_tokens\": 4}'")
 _NO_LORA = "LoRA adapters are not implemented"
 
 REFUSED: tuple[Refused, ...] = (
-    Refused(("--speculative-config",), _NO_SPECULATIVE),
-    Refused(("--speculative-model",), _NO_SPECULATIVE),
-    Refused(("--num-speculative-tokens",), _NO_SPECULATIVE),
+    Refused(("--speculative-model",), _SPECULATIVE_CONFIG),
+    Refused(("--num-speculative-tokens",), _SPECULATIVE_CONFIG),
     Refused(("--enable-lora",), _NO_LORA, takes_value=False),
     Refused(("--lora-modules",), _NO_LORA),
     Refused(("--max-lora-rank",), _NO_LORA),

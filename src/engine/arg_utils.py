@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import logging
 from dataclasses import dataclass
 from typing import Any, get_args
 
@@ -31,6 +32,7 @@ from ringserve.config import (
     ParallelConfig,
     SchedulerConfig,
     SchedulingPolicy,
+    SpecDecodeConfig,
     StructuredOutputsConfig,
 )
 from ringserve.engine.engine_flags import FLAG_SPECS
@@ -41,12 +43,19 @@ from ringserve.engine.flag_values import (
     parse_bytes,
     quantization_method,
 )
+from ringserve.errors import ModelDirectoryError
+from ringserve.gpu.spec_decode.config import (
+    parse_speculative_config,
+    resolve_speculative_config,
+)
 from ringserve.weight_transfer.config import WeightTransferConfig, parse_weight_transfer_config
 
 __all__ = ["DEMO_MODEL", "EngineArgs", "human_readable_int", "human_readable_int_or_auto",
            "parse_bytes", "quantization_method"]
 
 DEMO_MODEL = "ringserve-demo"
+
+logger = logging.getLogger(__name__)
 
 @dataclass
 class EngineArgs:
@@ -104,6 +113,7 @@ class EngineArgs:
     cuda_graph_sizes: tuple[int, ...] | list[int] | None = None
     weight_transfer_config: str | dict[str, Any] | None = None
     weight_transfer_timeout_s: float = 60.0
+    speculative_config: str | dict[str, Any] | None = None
 
     # -- CLI -------------------------------------------------------------------------------
 
@@ -166,6 +176,7 @@ class EngineArgs:
             quantization=self.quantization,
             gguf_dequantize=self.gguf_dequantize,
         )
+        speculative_config = self._spec_decode_config(model_config)
         return EngineConfig(
             model_config=model_config,
             cache_config=CacheConfig(
@@ -175,7 +186,8 @@ class EngineArgs:
                 kv_cache_memory=self.kv_cache_memory,
                 num_gpu_blocks_override=self.num_gpu_blocks_override,
             ),
-            scheduler_config=self._scheduler_config(model_config.max_model_len),
+            scheduler_config=self._scheduler_config(model_config.max_model_len,
+                                                    speculative=speculative_config is not None),
             parallel_config=ParallelConfig(
                 tensor_parallel_size=self.tensor_parallel_size,
                 data_parallel_size=self.data_parallel_size,
@@ -205,6 +217,7 @@ class EngineArgs:
             compilation_config=self._compilation_config(),
             weight_transfer_config=self._weight_transfer_config(),
             weight_transfer_timeout_s=self._weight_transfer_timeout(),
+            speculative_config=speculative_config,
         )
 
     def _weight_transfer_config(self) -> WeightTransferConfig | None:
@@ -213,6 +226,26 @@ class EngineArgs:
         except ValueError as exc:
             raise _fail("weight_transfer_config", self.weight_transfer_config,
                         f'a JSON object such as {{"backend": "shm"}} ({exc})') from None
+
+    def _speculative_config_checked(self) -> None:
+        """The checks on `speculative_config` that need no model (`verify`)."""
+        try:
+            parse_speculative_config(self.speculative_config)
+        except ValueError as exc:
+            raise _spec_fail(exc) from None
+
+    def _spec_decode_config(self, model_config: ModelConfig) -> SpecDecodeConfig | None:
+        """`speculative_config` resolved against the target; a missing or unreadable draft is
+        a `ModelDirectoryError` (the CLI exits 1), any other mistake a ValueError naming it."""
+        try:
+            return resolve_speculative_config(
+                self.speculative_config, target=model_config,
+                tensor_parallel_size=self.tensor_parallel_size,
+                device=_resolve_device(self.device))
+        except ModelDirectoryError:
+            raise
+        except ValueError as exc:
+            raise _spec_fail(exc) from None
 
     def _weight_transfer_timeout(self) -> float:
         timeout = self.weight_transfer_timeout_s
@@ -255,6 +288,7 @@ class EngineArgs:
         self.served_model_names()
         self._structured_outputs_config()
         self._executor_backend()
+        self._speculative_config_checked()
 
     def _structured_outputs_config(self) -> StructuredOutputsConfig:
         """`structured_outputs_config` (a dict, or its JSON text from the CLI) and
@@ -294,7 +328,8 @@ class EngineArgs:
             return str(demo_model_path())
         return self.model
 
-    def _scheduler_config(self, max_model_len: int) -> SchedulerConfig:
+    def _scheduler_config(self, max_model_len: int, *,
+                          speculative: bool = False) -> SchedulerConfig:
         budget = self.max_num_batched_tokens
         if budget is None:
             budget = max(8192, self.max_num_seqs)
@@ -308,6 +343,9 @@ class EngineArgs:
                 f">= max_model_len ({max_model_len}) when chunked prefill is disabled",
             )
         policy: SchedulingPolicy = "priority" if self.scheduling_policy == "priority" else "fcfs"
+        if speculative and self.async_scheduling:
+            logger.info("speculative decoding runs with synchronous scheduling in this version: "
+                        "async scheduling is off")
         return SchedulerConfig(
             max_num_seqs=self.max_num_seqs,
             max_num_batched_tokens=budget,
@@ -315,7 +353,7 @@ class EngineArgs:
             enable_chunked_prefill=self.enable_chunked_prefill,
             long_prefill_token_threshold=self.long_prefill_token_threshold,
             policy=policy,
-            async_scheduling=self.async_scheduling,
+            async_scheduling=self.async_scheduling and not speculative,
         )
 
     def _executor_backend(self) -> ExecutorBackend:
@@ -373,8 +411,18 @@ class EngineArgs:
             raise _fail("device", self.device, "cpu or auto: no CUDA device is available")
 
 
+_SPECULATIVE_EXAMPLE = '{"method": "ngram", "num_speculative_tokens": 4}'
+
+
 def _fail(field: str, value: object, allowed: str) -> ValueError:
     return ValueError(f"EngineArgs.{field}: got {value!r}, allowed: {allowed}")
+
+
+def _spec_fail(exc: ValueError) -> ValueError:
+    """A speculative-config mistake: the flag, then the key and the reason (the message of
+    `ringserve.gpu.spec_decode.config` names `speculative_config.<key>`)."""
+    return ValueError(f"--speculative-config: {exc}; expected a JSON object such as "
+                      f"{_SPECULATIVE_EXAMPLE}")
 
 
 def _require(field: str, value: Any, ok: Any, allowed: str) -> None:

@@ -131,6 +131,13 @@ FLAG_SPECS: tuple[FlagSpec, ...] = (
               "(ringserve.weight_transfer)", str),
     FlagSpec("weight_transfer_timeout_s", "a weight-update phase that waits longer than this "
               "for the trainer fails (the old weights keep serving)", float),
+    FlagSpec("speculative_config", "speculative decoding, as JSON: {\"method\": \"ngram\" "
+              "(drafts from the request's own tokens; prompt_lookup_min, prompt_lookup_max) or "
+              "\"draft_model\" (model: a smaller model with the target's vocabulary; "
+              "quantization: int8 or int4; draft_tensor_parallel_size; max_model_len), "
+              "num_speculative_tokens: 1..16 (default 4), "
+              "num_speculative_tokens_per_batch_size: [[first_batch, last_batch, k], ...]}; "
+              "scheduling is synchronous while it is on (ringserve.gpu.spec_decode)", str),
     FlagSpec("override_generation_config", "JSON object over the generation config, e.g. "
               "'{\"temperature\": 0.5}'", str),
 )

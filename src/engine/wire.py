@@ -34,6 +34,7 @@ __all__ = [
     "HandshakeReply",
     "Logprobs",
     "SchedulerStats",
+    "SpecDecodingStats",
     "UtilityCall",
     "UtilityOutput",
 ]
@@ -152,6 +153,23 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=F
         return self.finish_reason is not None
 
 
+class SpecDecodingStats(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """Speculative decoding's counts since the previous snapshot (vLLM's meanings).
+
+    Attributes:
+        num_drafts: request-steps that carried at least one draft token.
+        num_draft_tokens: draft tokens verified.
+        num_accepted_tokens: draft tokens accepted (the bonus token not counted).
+        num_accepted_tokens_per_pos: accepted drafts per draft position 0..k-1 (the list as
+            long as the largest k scheduled).
+    """
+
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    num_accepted_tokens_per_pos: list[int] = []
+
+
 class SchedulerStats(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     """Scheduler state snapshot sent with an output batch (for logging and Prometheus).
 
@@ -177,6 +195,9 @@ class SchedulerStats(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
     # the previous stats that carried it (--enable-expert-load-metrics; sent at most once per
     # stats interval and when the core runs out of requests; None in between).
     expert_load: list[list[int]] | None = None
+    # Speculative decoding's counts since the previous stats (None: none this interval, or
+    # speculation is off).
+    spec_decoding: SpecDecodingStats | None = None
 
 
 class EngineStatus(enum.IntEnum):

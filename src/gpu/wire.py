@@ -93,6 +93,13 @@ class SchedulerOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fa
     # Constrained requests that sample this step: the workers run the forward, then wait for
     # the step's `GrammarOutput` before sampling.
     grammar_req_ids: list[str] = []
+    # Speculative decoding (`ringserve.gpu.spec_decode`): request id -> the draft tokens this
+    # step verifies (the request is scheduled `1 + len(drafts)` tokens: its last sampled token,
+    # then the drafts).
+    spec_token_ids: dict[str, list[int]] = {}
+    # Draft tokens each request that samples this step should get proposed for the next
+    # (0: propose none).
+    num_spec_tokens: int = 0
 
 
 class GrammarOutput(msgspec.Struct, array_like=True, gc=False):
@@ -136,3 +143,6 @@ class ModelRunnerOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=
     prompt_logprobs: dict[str, Logprobs] = {}
     request_errors: dict[str, str] = {}
     skipped: bool = False
+    # Appended fields (array_like: only append at the end).
+    # Speculative decoding: request id -> draft tokens proposed for its next step.
+    draft_token_ids: dict[str, list[int]] = {}

@@ -109,17 +109,17 @@ class Worker:
         cache = self.config.cache_config
         if cache.num_gpu_blocks_override is not None:
             return cache.num_gpu_blocks_override
-        spec = self.runner.kv_spec
+        per_block = self.runner.kv_bytes_per_block  # a draft model's KV included
         if cache.kv_cache_memory is not None:
             budget = cache.kv_cache_memory
         elif self.device.type == "cuda":
             budget = self._profile_free_bytes()
         else:
             budget = DEFAULT_CPU_KV_CACHE_BYTES
-        blocks = spec.num_blocks_for_bytes(budget)
+        blocks = max(0, budget // per_block)
         if blocks < 1:
             raise ValueError(
-                f"the KV cache gets {budget} bytes but one block needs {spec.bytes_per_block}; "
+                f"the KV cache gets {budget} bytes but one block needs {per_block}; "
                 "raise kv_cache_memory / gpu_memory_utilization or lower max_num_batched_tokens"
             )
         return blocks

@@ -38,6 +38,7 @@ from ringserve.engine.wire import (
 from ringserve.gpu.executor.base import Executor
 from ringserve.gpu.executor.errors import WorkerTimeoutError
 from ringserve.gpu.executor.select import executor_class as select_executor
+from ringserve.gpu.spec_decode.scheduling import SpecScheduling
 from ringserve.gpu.weights import snapshot_dirs as weight_snapshot
 from ringserve.gpu.wire import GrammarOutput, ModelRunnerOutput, SchedulerOutput
 
@@ -146,6 +147,7 @@ class EngineCore(WeightSyncMixin, PauseSleepMixin):
             log_stats=not config.observability_config.disable_log_stats,
             engine_index=self.engine_index,
             structured=self.structured,
+            spec=_spec_scheduling(config),
         )
 
     # -- faults --------------------------------------------------------------------------------
@@ -474,3 +476,13 @@ def _worth_sending(scheduler_output: SchedulerOutput) -> bool:
     """A step goes to the workers when it computes tokens or tells them to drop requests."""
     return bool(scheduler_output.total_num_scheduled_tokens or scheduler_output.finished_req_ids
                 or scheduler_output.preempted_req_ids)
+
+
+def _spec_scheduling(config: EngineConfig) -> SpecScheduling | None:
+    """Speculative decoding's books for the scheduler (None: speculation is off)."""
+    spec = config.speculative_config
+    if spec is None:
+        return None
+    k = spec.num_speculative_tokens
+    return SpecScheduling(k, lookahead=k if spec.uses_draft_model else 0,
+                          pinned=spec.per_batch_size)

@@ -14,7 +14,9 @@ each engine step produced. Only new tokens are decoded, never the whole sequence
 Either way, a character whose UTF-8 bytes are split across tokens is held back until complete,
 so a delta never carries half a character (U+FFFD appears only if the final text has it).
 Stop strings are checked on the new text plus an overlap (`stop_strings.py`), not before
-`min_tokens` tokens, and a streaming delta holds back `max(len(stop)) - 1` characters.
+`min_tokens` tokens, and a streaming delta holds back `max(len(stop)) - 1` characters. A
+multi-token step (speculative decoding) with stop strings is checked token by token, so it ends
+where one-token steps would have: the tokens after the stop are dropped.
 """
 
 from __future__ import annotations
@@ -35,7 +37,8 @@ class IncrementalDetokenizer:
 
     Attributes:
         output_text: the text decoded so far (truncated at a stop string once matched).
-        token_ids: every output token id seen so far.
+        token_ids: every output token id seen so far (up to the one that completed the stop
+            string, once one matched).
         stop_reason: the stop string that matched, if any.
     """
 
@@ -77,25 +80,57 @@ class IncrementalDetokenizer:
                 stop strings in its output.
 
         Returns:
-            The stop string that matched (the text is truncated at it), or None.
+            The stop string that matched (the text is truncated at it), or None. In a
+            multi-token step it matches at the first token that completes one, and only that
+            many of `new_token_ids` join `token_ids`: the caller drops the rest.
         """
         if not new_token_ids or self.stop_reason is not None:
             return self.stop_reason
-        self.token_ids.extend(new_token_ids)
-        to_decode = new_token_ids
+        if len(new_token_ids) > 1:
+            return self._update_many(new_token_ids, stop_terminated)
+        # One token: the common step, kept straight-line.
+        token_id = new_token_ids[0]
+        token_ids = self.token_ids
+        token_ids.append(token_id)
         if stop_terminated and not self._include_stop:
-            to_decode = new_token_ids[:-1]
-        before = len(self.output_text)
-        for token_id in to_decode:
-            self.output_text += self._decode_next(token_id)
-        if len(self.token_ids) < self._min_tokens:
+            return None  # no new text, so no stop string can complete
+        text = self._decode_next(token_id)
+        if not text:
             return None
-        match = find_stop_string(self.output_text, len(self.output_text) - before, self._stops,
-                                 self._include_stop)
+        self.output_text += text
+        if not self._stops or len(token_ids) < self._min_tokens:
+            return None
+        match = find_stop_string(self.output_text, len(text), self._stops, self._include_stop)
         if match is not None:
             self.stop_reason, cut = match
             self.output_text = self.output_text[:cut]
         return self.stop_reason
+
+    def _update_many(self, new_token_ids: list[int], stop_terminated: bool) -> str | None:
+        """A multi-token step (speculative decoding).
+
+        With stop strings, one token at a time: the request ends exactly where one-token steps
+        would have ended it (`min_tokens` counts per token, the stop string that completes
+        first wins) and the tokens after the one that completed it stay out of `token_ids`.
+        """
+        if self._stops:
+            last = len(new_token_ids) - 1
+            for i, token_id in enumerate(new_token_ids):
+                if self.update([token_id], stop_terminated and i == last) is not None:
+                    break
+            return self.stop_reason
+        to_decode = new_token_ids
+        if stop_terminated and not self._include_stop:
+            to_decode = new_token_ids[:-1]
+        token_ids = self.token_ids
+        for token_id in to_decode:
+            # Appended one by one: a decode stream rebuilt mid-step must start from the tokens
+            # before this one (FastIncrementalDetokenizer._step).
+            token_ids.append(token_id)
+            self.output_text += self._decode_next(token_id)
+        if len(to_decode) < len(new_token_ids):
+            token_ids.append(new_token_ids[-1])
+        return None
 
     def finish(self) -> None:
         """Flush characters still waiting for more bytes (the request ended mid-character).

@@ -35,14 +35,24 @@ class LogprobsAccumulator:
         self.cumulative_logprob: float | None = 0.0 if num_logprobs is not None else None
         self._decoded: dict[int, str] = {}
 
-    def add_sampled(self, lp: Logprobs | None) -> list[PositionLogprobs]:
-        """Add rows for newly sampled tokens; returns the new positions."""
+    def add_sampled(self, lp: Logprobs | None, num_rows: int | None = None) -> list[PositionLogprobs]:
+        """Add rows for newly sampled tokens; returns the new positions.
+
+        Args:
+            lp: the step's rows, one per new token.
+            num_rows: keep only the first rows (the tokens a stop string left in the output).
+        """
         if lp is None or self.logprobs is None or self._k is None:
             return []
+        if num_rows is not None and num_rows < len(lp.ranks):
+            lp = Logprobs(lp.token_ids[:num_rows], lp.logprobs[:num_rows], lp.ranks[:num_rows])
         rows = self._rows(lp, self._k)
         self.logprobs.extend(rows)
-        if self.cumulative_logprob is not None and rows:
-            self.cumulative_logprob += float(lp.logprobs[:, 0].sum())
+        if self.cumulative_logprob is not None:
+            # One float64 addition per token, in order: the sum is the same however the engine
+            # chunked the tokens into steps (a float32 sum of the chunk would not be).
+            for value in lp.logprobs[:, 0].tolist():
+                self.cumulative_logprob += value
         return rows
 
     def add_prompt(self, lp: Logprobs | None) -> list[PositionLogprobs | None]:

@@ -65,11 +65,26 @@ class RequestState:
         self.weight_versions: list[WeightVersionSpan] = []
         self._sent_prompt_logprobs = False
 
-    def apply(self, out: EngineCoreOutput, weight_version: str | None = None) -> bool:
-        """Fold one core output in (its tokens generated with `weight_version`); returns True
-        if a stop string ended the request here."""
+    def apply(self, out: EngineCoreOutput, weight_version: str | None = None) -> list[int]:
+        """Fold one core output in (its tokens generated with `weight_version`).
+
+        Returns:
+            The output's new token ids that the request keeps: all of them, unless a stop
+            string completed before the last one (a multi-token step), which ends the request
+            there and drops the rest, as one-token steps would have.
+        """
         now = time.time()
-        if out.new_token_ids:
+        new_token_ids = out.new_token_ids
+        # The core stops on EOS (stop_reason None) or a stop token id: that token is no text.
+        stop_terminated = (out.finish_reason is FinishReason.STOP
+                           and not isinstance(out.stop_reason, str))
+        num_before = len(self.detokenizer.token_ids)
+        stop_string = self.detokenizer.update(new_token_ids, stop_terminated)
+        num_kept: int | None = None
+        if stop_string is not None:
+            num_kept = len(self.detokenizer.token_ids) - num_before
+            new_token_ids = new_token_ids[:num_kept]
+        if new_token_ids:
             spans = self.weight_versions
             if not spans or spans[-1].version != weight_version:
                 spans.append(WeightVersionSpan(weight_version,
@@ -77,21 +92,17 @@ class RequestState:
             if self.metrics.first_token_time is None:
                 self.metrics.first_token_time = now
             self.metrics.last_token_time = now
-            self.metrics.num_generation_tokens += len(out.new_token_ids)
+            self.metrics.num_generation_tokens += len(new_token_ids)
         self.num_cached_tokens = max(self.num_cached_tokens, out.num_cached_tokens)
         self.logprobs.add_prompt(out.new_prompt_logprobs)
-        self.logprobs.add_sampled(out.new_logprobs)
-        # The core stops on EOS (stop_reason None) or a stop token id: that token is no text.
-        stop_terminated = (out.finish_reason is FinishReason.STOP
-                           and not isinstance(out.stop_reason, str))
-        stop_string = self.detokenizer.update(out.new_token_ids, stop_terminated)
+        self.logprobs.add_sampled(out.new_logprobs, num_kept)
         if stop_string is not None:
             self.finish_reason, self.stop_reason = FinishReason.STOP, stop_string
         elif out.finish_reason is not None:
             self.finish_reason, self.stop_reason = out.finish_reason, out.stop_reason
         if self.finish_reason is not None:
             self.metrics.finished_time = now
-        return stop_string is not None and out.finish_reason is None
+        return new_token_ids
 
     @property
     def finished(self) -> bool:
@@ -319,11 +330,13 @@ class OutputProcessor:
                 iteration_stats.update_from_output(
                     len(out.new_token_ids), out.events, engine_core_timestamp, state.prefilling,
                     len(state.prompt_token_ids), state.stats)
-            if state.apply(out, weight_version):
+            new_token_ids = state.apply(out, weight_version)
+            if state.finished and out.finish_reason is None:
+                # A stop string ended it: the core, which still runs it, must abort it.
                 result.reqs_to_abort.append(out.request_id)
-            if out.new_token_ids:
+            if new_token_ids:
                 self._end_prefill(state)
-            request_output = self._make_output(state, out.new_token_ids)
+            request_output = self._make_output(state, new_token_ids)
             if state.finished:
                 if iteration_stats is not None and state.finish_reason is not None:
                     iteration_stats.update_from_finished_request(

@@ -26,6 +26,7 @@ from prometheus_client.registry import Collector
 
 from ringserve.config import EngineConfig
 from ringserve.engine.metrics.expert_load import expert_load_shape
+from ringserve.engine.metrics.spec_decode import SpecDecodingProm
 from ringserve.engine.metrics.stats import IterationStats
 from ringserve.engine.wire import FinishReason, SchedulerStats
 
@@ -212,6 +213,9 @@ class PrometheusStatLogger:
             counter("moe_expert_load_tokens", "Tokens routed to each expert of each "
                     "mixture-of-experts layer (--enable-expert-load-metrics); layer: the "
                     "decoder layer index.", ("layer", "expert"))
+        # Registered once a speculating core reports drafts (ringserve.engine.metrics.spec_decode).
+        self.spec_decoding = SpecDecodingProm(self.registry, PREFIX, self._model_name,
+                                              self.engine_indexes)
         for engine in self.engine_indexes:
             self._start_series(engine)
         _LIVE.add(self.registry)
@@ -229,6 +233,7 @@ class PrometheusStatLogger:
         if engine not in self.engine_indexes:
             self.engine_indexes.append(engine)
             self._start_series(engine)
+            self.spec_decoding.add_engine(engine)
 
     def remove_engine(self, engine: int) -> None:
         """Drop the gauges of an engine that left (elastic scale-down); its counters and
@@ -294,6 +299,8 @@ class PrometheusStatLogger:
                     for series, count in zip(row, counts, strict=True):
                         if count:
                             series.inc(count)
+            if scheduler_stats.spec_decoding is not None:
+                self.spec_decoding.record(scheduler_stats.spec_decoding, engine_idx)
         if iteration_stats is None:
             return
         stats = iteration_stats

@@ -20,6 +20,7 @@ from ringserve.config import EngineConfig
 from ringserve.engine.metrics.expert_load import expert_load_shape, imbalance
 from ringserve.engine.metrics.metrics_reader import Metric, get_metrics_snapshot
 from ringserve.engine.metrics.prometheus import PrometheusStatLogger
+from ringserve.engine.metrics.spec_decode import SpecDecodingLogging
 from ringserve.engine.metrics.stats import IterationStats
 from ringserve.engine.wire import SchedulerStats
 
@@ -47,7 +48,8 @@ StatLoggerFactory = Callable[[EngineConfig, int], StatLogger]
 
 class LoggingStatLogger:
     """One log line per interval for one engine: throughput, queue, KV usage, prefix hits
-    (and, when on, TF/s and the MoE expert-load imbalance).
+    (and, when on, TF/s and the MoE expert-load imbalance), and a second one for speculative
+    decoding when the interval had drafts.
 
     Args:
         config: the engine configuration.
@@ -63,6 +65,7 @@ class LoggingStatLogger:
         self.last_scheduler_stats = SchedulerStats()
         self._last_log_time = time.monotonic()
         self._last_throughput = (0.0, 0.0)
+        self.spec_decoding = SpecDecodingLogging()
         self._reset()
 
     def _reset(self) -> None:
@@ -72,6 +75,7 @@ class LoggingStatLogger:
         self.prefix_hits = 0
         self.flops = 0.0
         self.expert_load: list[list[int]] | None = None  # summed over the interval
+        self.spec_decoding.reset()
 
     def record(self, scheduler_stats: SchedulerStats | None,
                iteration_stats: IterationStats | None, engine_idx: int = 0) -> None:
@@ -86,6 +90,8 @@ class LoggingStatLogger:
             self.flops += scheduler_stats.estimated_flops
             if scheduler_stats.expert_load is not None:
                 self._add_expert_load(scheduler_stats.expert_load)
+            if scheduler_stats.spec_decoding is not None:
+                self.spec_decoding.record(scheduler_stats.spec_decoding)
 
     def _add_expert_load(self, load: list[list[int]]) -> None:
         if self.expert_load is None:
@@ -116,8 +122,15 @@ class LoggingStatLogger:
                      f"(layer {self.expert_layers[position]})")
         return line
 
+    def format_spec_decoding_line(self, now: float) -> str | None:
+        """The speculative-decoding line for the interval ending at `now` (monotonic), or None
+        when it had no drafts."""
+        line = self.spec_decoding.format_line(now - self._last_log_time)
+        return f"Engine {self.engine_index:03d}: {line}" if line is not None else None
+
     def log(self) -> None:
-        """Log the interval's line (skipped while idle twice running) and start a new one."""
+        """Log the interval's line (skipped while idle twice running), its speculative-decoding
+        line when it had drafts, and start a new interval."""
         now = time.monotonic()
         elapsed = max(now - self._last_log_time, 1e-9)
         throughput = (self.num_prompt_tokens / elapsed, self.num_generation_tokens / elapsed)
@@ -125,6 +138,9 @@ class LoggingStatLogger:
             self.last_scheduler_stats.num_running_reqs + self.last_scheduler_stats.num_waiting_reqs)
         if busy:
             logger.info("%s", self.format_line(now))
+        spec_line = self.format_spec_decoding_line(now)
+        if spec_line is not None:
+            logger.info("%s", spec_line)
         self._last_throughput = throughput
         self._last_log_time = now
         self._reset()

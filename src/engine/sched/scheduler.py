@@ -41,6 +41,7 @@ from ringserve.engine.wire import (
     EngineCoreRequest,
     FinishReason,
 )
+from ringserve.gpu.spec_decode.scheduling import SpecScheduling
 from ringserve.gpu.wire import CachedRequestData, NewRequestData, SchedulerOutput
 from ringserve.sampling_params import StructuredOutputsParams
 
@@ -62,7 +63,8 @@ class GrammarSource(Protocol):
 class _Step:
     """What one `schedule()` call has decided so far."""
 
-    __slots__ = ("budget", "new", "num_scheduled", "preempted", "resumed", "running", "step_id")
+    __slots__ = ("budget", "new", "num_scheduled", "preempted", "resumed", "running", "spec",
+                 "step_id")
 
     def __init__(self, step_id: int, budget: int) -> None:
         self.step_id = step_id
@@ -72,6 +74,7 @@ class _Step:
         self.resumed: list[Request] = []
         self.num_scheduled: dict[str, int] = {}
         self.preempted: list[str] = []
+        self.spec: dict[str, list[int]] = {}  # request -> the drafts it verifies
 
     def unschedule(self, request: Request) -> None:
         """Take back a running request scheduled earlier in this step (it was preempted)."""
@@ -79,6 +82,7 @@ class _Step:
         if n is not None:
             self.budget += n
             self.running = [entry for entry in self.running if entry[0] is not request]
+            self.spec.pop(request.request_id, None)
 
 
 class Scheduler(BooksMixin):
@@ -95,6 +99,8 @@ class Scheduler(BooksMixin):
         engine_index: this core's data-parallel rank, stamped on its outputs.
         structured: compiles structured-output grammars (the core's
             `StructuredOutputManager`); None refuses constrained requests.
+        spec: speculative decoding's books (`ringserve.gpu.spec_decode.scheduling`); None:
+            speculation is off.
 
     Raises:
         ValueError: a budget or limit below 1, or too few blocks.
@@ -110,6 +116,7 @@ class Scheduler(BooksMixin):
         log_stats: bool = True,
         engine_index: int = 0,
         structured: GrammarSource | None = None,
+        spec: SpecScheduling | None = None,
     ) -> None:
         cfg = scheduler_config
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
@@ -140,6 +147,8 @@ class Scheduler(BooksMixin):
         )
         self.waiting = create_request_queue(cfg.policy)
         self.structured = structured
+        self.spec = spec
+        self._lookahead = spec.lookahead if spec is not None else 0
         # Constrained requests whose grammar is still compiling (not in `waiting` yet).
         self.waiting_for_grammar: list[Request] = []
         self.running: list[Request] = []
@@ -249,6 +258,7 @@ class Scheduler(BooksMixin):
         kv = self.kv_cache_manager
         allocate = partial(kv.allocate_slots, cache_blocks=False)
         threshold = self.long_prefill_token_threshold
+        spec, lookahead = self.spec, self._lookahead
         i = 0
         while i < len(running) and step.budget > 0:
             req = running[i]
@@ -266,14 +276,20 @@ class Scheduler(BooksMixin):
             if n <= 0:
                 i += 1
                 continue
-            new_blocks = allocate(req, n)
+            drafts = None
+            if spec is not None and n == 1 and req.grammar is None:
+                drafts = spec.drafts_for(req.request_id, min(
+                    step.budget - 1, req.max_tokens - (num_tokens - req.num_prompt_tokens) - 1,
+                    self.max_model_len - num_tokens))
+                n += len(drafts)
+            new_blocks = allocate(req, n, lookahead)
             while new_blocks is None:
                 removed = self._make_room(req, i, step)
                 if removed < 0 or removed == i:
                     break  # req waits for its pending outputs, or left the running list
                 if removed < i:
                     i -= 1
-                new_blocks = allocate(req, n)
+                new_blocks = allocate(req, n, lookahead)
             if new_blocks is None:
                 if i < len(running) and running[i] is req:
                     i += 1
@@ -281,10 +297,15 @@ class Scheduler(BooksMixin):
             step.running.append((req, n, new_blocks))
             step.num_scheduled[req.request_id] = n
             step.budget -= n
+            if drafts:
+                step.spec[req.request_id] = drafts
             i += 1
+        drafted = step.spec
         for req, n, new_blocks in step.running:
             if new_blocks:
-                kv.cache_blocks(req, req.num_computed_tokens + n)
+                # Only verified tokens enter the prefix cache: not a step's drafts.
+                unverified = len(drafted.get(req.request_id, ())) if drafted else 0
+                kv.cache_blocks(req, req.num_computed_tokens + n - unverified)
 
     def _make_room(self, req: Request, index: int, step: _Step) -> int:
         """Preempt one victim so `req` (at `index`) can grow.
@@ -342,7 +363,7 @@ class Scheduler(BooksMixin):
                 if not self.enable_chunked_prefill and n <= self.max_num_batched_tokens:
                     break  # waits for a step with the whole budget free
                 n = step.budget
-            if kv.allocate_slots(req, n, new_computed_blocks=hit_blocks) is None:
+            if kv.allocate_slots(req, n, self._lookahead, new_computed_blocks=hit_blocks) is None:
                 if running:
                     break
                 waiting.pop()  # nothing else holds blocks: it can never fit
@@ -419,6 +440,9 @@ class Scheduler(BooksMixin):
                 grammar_ids.append(req.request_id)
         finished = self._finished_req_ids
         self._finished_req_ids = []
+        num_spec = 0
+        if self.spec is not None:
+            num_spec = self.spec.begin_step(len(self.running), bool(step.spec))
         return SchedulerOutput(
             step_id=step.step_id,
             scheduled_new_reqs=new_reqs,
@@ -428,6 +452,8 @@ class Scheduler(BooksMixin):
             finished_req_ids=finished,
             preempted_req_ids=self._take_invalidated(step.preempted),
             grammar_req_ids=grammar_ids,
+            spec_token_ids=step.spec,
+            num_spec_tokens=num_spec,
         )
 
 def _advance(req: Request, n: int) -> bool:

@@ -277,6 +277,7 @@ class BooksMixin(OutputMixin):
             num_preemptions=preemptions,
             step_counter=self._step_id,
             estimated_flops=flops,
+            spec_decoding=self.spec.take_stats() if self.spec is not None else None,
         )
 
     def check_invariants(self) -> None:

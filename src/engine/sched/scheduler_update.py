@@ -28,6 +28,7 @@ from ringserve.engine.wire import (
     Logprobs,
     SchedulerStats,
 )
+from ringserve.gpu.spec_decode.scheduling import SpecScheduling
 from ringserve.gpu.wire import ModelRunnerOutput, SchedulerOutput
 
 __all__ = ["OutputMixin", "append_tokens", "check_stop"]
@@ -49,6 +50,7 @@ class OutputMixin(ABC):
     engine_index: int
     _pending_outputs: list[tuple[int, EngineCoreOutput]]
     _finished_by_client: dict[int, list[str]]
+    spec: SpecScheduling | None
 
     @abstractmethod
     def _free_request(self, req: Request) -> None:
@@ -91,6 +93,7 @@ class OutputMixin(ABC):
         offset = 0
         last_client = -1
         client_list: list[EngineCoreOutput] = []
+        drafted = scheduler_output.spec_token_ids
         for request_id, sampled in zip(
             model_runner_output.req_ids, model_runner_output.sampled_token_ids, strict=True
         ):
@@ -100,6 +103,11 @@ class OutputMixin(ABC):
             # Stale: finished or aborted meanwhile, or preempted after this step was scheduled.
             if req is None or req.status is not _RUNNING or step_id < req.scheduled_since_step:
                 continue
+            if drafted and sampled and request_id in drafted:
+                # Speculative decoding: the rejected drafts' positions are computed again.
+                assert self.spec is not None
+                req.num_computed_tokens -= self.spec.verified(len(drafted[request_id]),
+                                                              len(sampled))
             new_prompt_logprobs = prompt_logprobs.get(request_id) if prompt_logprobs else None
             if len(sampled) == 1:
                 # A decode, the hot case: `append_tokens` without its loop, and `check_stop`
@@ -165,6 +173,12 @@ class OutputMixin(ABC):
             client_list.append(out)
         if any_finished:
             self.running = [r for r in self.running if r.status is _RUNNING]
+        if self.spec is not None:
+            self.spec.end_step(model_runner_output.draft_token_ids,
+                               not scheduler_output.scheduled_new_reqs
+                               and all(n == 1 + len(drafted.get(r, ()))
+                                       for r, n in scheduler_output.num_scheduled_tokens.items()),
+                               offset)
         return self._package(outputs)
 
     def _fail_in_worker(self, errors: dict[str, str]) -> None:

@@ -57,8 +57,23 @@ def prepare_inputs(
             past a request's block table (a scheduler/worker disagreement).
     """
     slots = np.fromiter((table.slot_of(r) for r in req_ids), dtype=np.int64, count=len(req_ids))
-    num_scheduled = num_scheduled.astype(np.int32)
     computed = table.num_computed[slots].astype(np.int64)
+    return build_inputs(table, req_ids, slots, computed, num_scheduled, device)
+
+
+def build_inputs(
+    table: RequestTable, req_ids: list[str], slots: np.ndarray, computed: np.ndarray,
+    num_scheduled: np.ndarray, device: torch.device,
+) -> StepInputs:
+    """The flat batch of queries `i` over `slots[i]`'s tokens `computed[i]` ..
+    `computed[i] + num_scheduled[i]` (`prepare_inputs` with the computed counts given: a
+    speculative verify step lays each draft position out as a query of its own,
+    `ringserve.gpu.spec_decode.verify`). `req_ids` names each query (repeats allowed).
+
+    Raises:
+        ValueError: as `prepare_inputs`.
+    """
+    num_scheduled = num_scheduled.astype(np.int32)
     seq_lens = computed + num_scheduled
     _check_schedule(table, req_ids, slots, seq_lens)
     qsl = np.zeros(len(req_ids) + 1, dtype=np.int64)

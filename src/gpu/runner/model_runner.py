@@ -43,8 +43,11 @@ from ringserve.gpu.sample.bad_words import bad_words_encoder
 from ringserve.gpu.sample.grammar_mask import apply_bitmask
 from ringserve.gpu.sample.logprobs import select_rows
 from ringserve.gpu.sample.prompt_logprobs import compute_prompt_logprobs
+from ringserve.gpu.sample.rejection import sample_with_drafts
 from ringserve.gpu.sample.sampler import Sampler
 from ringserve.gpu.sample.sampling_metadata import build_sampling_metadata
+from ringserve.gpu.spec_decode.proposer import Proposer, make_proposer
+from ringserve.gpu.spec_decode.verify import VerifyStep, prepare_verify
 from ringserve.gpu.weights.loader import load_model
 from ringserve.gpu.wire import GrammarOutput, ModelRunnerOutput, SchedulerOutput
 
@@ -59,6 +62,8 @@ class _ForwardDone:
     hidden: torch.Tensor | None  # None: no request of the step could run here
     inputs: StepInputs | None
     prompt_logprobs: Any
+    verify: VerifyStep | None = None  # the step verifies drafts (speculative decoding)
+    num_spec_tokens: int = 0  # drafts to propose for the next step
 
 
 class ModelRunner:
@@ -95,6 +100,8 @@ class ModelRunner:
         self.table = self._new_table()
         self.sampler = Sampler()
         self._model: LlamaForCausalLM | None = None
+        # Speculative decoding's proposer (`ringserve.gpu.spec_decode`; None: off).
+        self.proposer: Proposer | None = None
         self.kv_caches: list[torch.Tensor] = []
         self.request_errors: dict[str, str] = {}
         self._awaiting_grammar: _ForwardDone | None = None
@@ -141,6 +148,15 @@ class ModelRunner:
                                          weights_path=weights_path)
         self._model = load_model(config, tp=self.tp, device=self.device, backend=self.backend)
         self._attach_expert_load()  # a reload keeps counting into the same tensors
+        if self.proposer is None:
+            self.proposer = make_proposer(self.config, self.device, self.tp, self.backend)
+
+    @property
+    def kv_bytes_per_block(self) -> int:
+        """Bytes one block of the pool takes on this rank: the target's KV, plus a draft
+        model's (speculative decoding) over the same block ids."""
+        extra = self.proposer.kv_bytes_per_block if self.proposer is not None else 0
+        return self.kv_spec.bytes_per_block + extra
 
     def swap_model(self, model: LlamaForCausalLM) -> LlamaForCausalLM:
         """Serve `model` from the next step on (a weight update's standby copy, loaded and
@@ -157,6 +173,8 @@ class ModelRunner:
         capture the decode step over them (`capture_decode`)."""
         self.kv_caches = allocate_kv_cache(self.kv_spec, num_blocks, self.device)
         self.capture_decode()
+        if self.proposer is not None:
+            self.proposer.initialize_kv_cache(num_blocks)
 
     def capture_decode(self) -> None:
         """Build the captured decode step for the loaded model and KV cache, unless
@@ -173,13 +191,19 @@ class ModelRunner:
         self.capture, self.capture_reason = DecodeCapture.build(
             library, self._model, self.kv_caches, compilation.capture_sizes,
             backend=self.backend.name, tp_size=self.tp.world_size,
-            max_batch=self.config.scheduler_config.max_num_seqs)
+            max_batch=self.config.scheduler_config.max_num_seqs * (1 + self._max_drafts))
         if self.capture is not None:
             info = self.capture.info
             logger.info("decode step captured for batch sizes up to %d (%s weights) in %.3f s",
                         self.capture.max_batch, "/".join(info.weight_formats), info.seconds)
         else:
             logger.info("decode steps run eagerly: %s", self.capture_reason)
+
+    @property
+    def _max_drafts(self) -> int:
+        """The most drafts a request verifies in one step (its step lays out `1 + k` rows)."""
+        spec = self.config.speculative_config
+        return spec.num_speculative_tokens if spec is not None else 0
 
     def dummy_pass(self) -> None:
         """The model's expert-parallel exchanges with no token (a no-op for dense models)."""
@@ -267,7 +291,13 @@ class ModelRunner:
             (scheduler_output.num_scheduled_tokens[r] for r in req_ids), dtype=np.int32,
             count=len(req_ids),
         )
-        inputs = prepare_inputs(self.table, req_ids, num_scheduled, self.device)
+        verify = None
+        if scheduler_output.spec_token_ids:
+            verify = prepare_verify(self.table, req_ids, num_scheduled,
+                                    scheduler_output.spec_token_ids, self.device)
+            inputs = verify.inputs
+        else:
+            inputs = prepare_inputs(self.table, req_ids, num_scheduled, self.device)
         if self.capture is not None and self.capture.accepts(inputs):
             try:
                 hidden = self.capture.run(inputs, self.abort_flag)
@@ -279,7 +309,8 @@ class ModelRunner:
         prompt_logprobs = compute_prompt_logprobs(
             hidden, inputs, self.table, self.model.compute_logits, self.model_config.vocab_size
         )
-        step = _ForwardDone(scheduler_output.step_id, hidden, inputs, prompt_logprobs)
+        step = _ForwardDone(scheduler_output.step_id, hidden, inputs, prompt_logprobs, verify,
+                            scheduler_output.num_spec_tokens if self.proposer else 0)
         if scheduler_output.grammar_req_ids:
             self._awaiting_grammar = step  # sampled by `sample_tokens`, once the mask is here
             return None
@@ -340,7 +371,12 @@ class ModelRunner:
     def _finish(self, step: _ForwardDone, grammar: GrammarOutput | None) -> ModelRunnerOutput:
         if step.hidden is None or step.inputs is None:
             return ModelRunnerOutput(step_id=step.step_id, request_errors=dict(self.request_errors))
-        output = self._sample(step.hidden, step.inputs, grammar)
+        if step.verify is not None:
+            output = self._sample_drafts(step.hidden, step.verify, grammar)
+        else:
+            output = self._sample(step.hidden, step.inputs, grammar)
+        if step.num_spec_tokens and self.proposer is not None:
+            output.draft_token_ids = self._propose(output, step.num_spec_tokens)
         output.prompt_logprobs = step.prompt_logprobs
         output.step_id = step.step_id
         output.request_errors = dict(self.request_errors)
@@ -364,6 +400,10 @@ class ModelRunner:
                       torch.tensor(logit_rows, dtype=torch.int64, device=logits.device))
 
     def _apply_diff(self, so: SchedulerOutput) -> None:
+        if self.proposer is not None:
+            self.proposer.forget([*so.finished_req_ids, *so.preempted_req_ids,
+                                  *(c.req_id for c in so.scheduled_cached_reqs
+                                    if c.resumed_from_preemption)])
         for req_id in so.finished_req_ids:
             self.table.finish(req_id)
         for req_id in so.preempted_req_ids:
@@ -409,3 +449,36 @@ class ModelRunner:
         return ModelRunnerOutput(
             step_id=0, req_ids=inputs.req_ids, sampled_token_ids=sampled, logprobs=logprobs
         )
+
+    def _sample_drafts(self, hidden: torch.Tensor, verify: VerifyStep,
+                       grammar: GrammarOutput | None) -> ModelRunnerOutput:
+        """Sample a step that verifies drafts (`ringserve.gpu.sample.rejection`)."""
+        compute_logits = self.model.compute_logits
+
+        def logits_at(rows: np.ndarray[Any, Any]) -> torch.Tensor:
+            return compute_logits(hidden[torch.from_numpy(rows).to(hidden.device)])
+
+        mask = None
+        if grammar is not None and grammar.req_ids:
+            def mask(logits: torch.Tensor, requests: list[int]) -> None:
+                self._apply_grammar(logits, [verify.req_ids[i] for i in requests],
+                                    np.arange(len(requests)), grammar)
+
+        result = sample_with_drafts(logits_at, verify.rows, verify.drafts, verify.slots,
+                                    self.table, self.sampler, self.model_config.vocab_size,
+                                    self.device, mask)
+        for i, message in result.errors.items():
+            self.request_errors[verify.req_ids[i]] = message
+        return ModelRunnerOutput(step_id=0, req_ids=verify.req_ids,
+                                 sampled_token_ids=result.sampled, logprobs=result.logprobs)
+
+    def _propose(self, output: ModelRunnerOutput, k: int) -> dict[str, list[int]]:
+        """Drafts for the next step of every request that sampled this one."""
+        assert self.proposer is not None
+        table = self.table
+        ids = [r for r, tokens in zip(output.req_ids, output.sampled_token_ids, strict=True)
+               if tokens and r not in self.request_errors and r in table.requests]
+        if not ids:
+            return {}
+        slots = np.fromiter((table.slot_of(r) for r in ids), dtype=np.int64, count=len(ids))
+        return self.proposer.propose(table, ids, slots, [k] * len(ids))
