@@ -27,7 +27,7 @@ from ringserve.engine.metrics.expert_load import WORKER_METHOD as EXPERT_LOAD_ME
 from ringserve.engine.metrics.expert_load import ExpertLoadPuller
 from ringserve.engine.metrics.flops import ModelFlops
 from ringserve.engine.sched.scheduler import Scheduler
-from ringserve.engine.structured.manager import AllowAll, StructuredOutputManager
+from ringserve.engine.structured.manager import AllowAll, DraftRow, StructuredOutputManager
 from ringserve.engine.wire import (
     EngineCoreOutput,
     EngineCoreOutputs,
@@ -361,7 +361,11 @@ class EngineCore(WeightSyncMixin, PauseSleepMixin):
         a request whose grammar allows no token ends with an error."""
         requests = self.scheduler.requests
         ids = scheduler_output.grammar_req_ids
-        grammars = [requests[rid].grammar if rid in requests else _FINISHED for rid in ids]
+        grammars: list[Any] = [requests[rid].grammar if rid in requests else _FINISHED
+                               for rid in ids]
+        drafted = scheduler_output.spec_token_ids
+        if drafted and any(rid in drafted for rid in ids):
+            ids, grammars = _draft_rows(ids, grammars, drafted)
         bitmask, dead = self.structured.bitmask(grammars)
         for row in dead:
             req = requests.get(ids[row])
@@ -486,3 +490,21 @@ def _spec_scheduling(config: EngineConfig) -> SpecScheduling | None:
     k = spec.num_speculative_tokens
     return SpecScheduling(k, lookahead=k if spec.uses_draft_model else 0,
                           pinned=spec.per_batch_size)
+
+
+def _draft_rows(ids: list[str], grammars: list[Any], drafted: dict[str, list[int]],
+                ) -> tuple[list[str], list[Any]]:
+    """Speculative decoding: a constrained request with `k` drafts gets `1 + k` bitmask rows,
+    row `j` the grammar after its first `j` drafts (the workers mask draft position `j` with
+    the request's `j`-th row)."""
+    out_ids: list[str] = []
+    out: list[Any] = []
+    for rid, grammar in zip(ids, grammars, strict=True):
+        out_ids.append(rid)
+        out.append(grammar)
+        drafts = drafted.get(rid)
+        if drafts and grammar is not _FINISHED:
+            for j in range(1, len(drafts) + 1):
+                out_ids.append(rid)
+                out.append(DraftRow(grammar, drafts[:j]))
+    return out_ids, out

@@ -277,10 +277,13 @@ class Scheduler(BooksMixin):
                 i += 1
                 continue
             drafts = None
-            if spec is not None and n == 1 and req.grammar is None:
+            if spec is not None and n == 1:
                 drafts = spec.drafts_for(req.request_id, min(
                     step.budget - 1, req.max_tokens - (num_tokens - req.num_prompt_tokens) - 1,
                     self.max_model_len - num_tokens))
+                if drafts and req.grammar is not None:
+                    # Drafts the grammar forbids are cut before they cost a row.
+                    drafts = drafts[:req.grammar.valid_drafts(drafts)]
                 n += len(drafts)
             new_blocks = allocate(req, n, lookahead)
             while new_blocks is None:

@@ -114,6 +114,62 @@ class RequestGrammar:
         return True
 
 
+    def valid_drafts(self, drafts: Sequence[int]) -> int:
+        """How many of a request's `drafts` (speculative decoding) the grammar takes in a row
+        from its state; the state is the same afterwards (the matcher rolls back). 0 while
+        reasoning, before the first token decides whether thinking opens, or after the end."""
+        matcher = self._matcher
+        if (matcher is None or not self.reasoning_ended or self._may_open
+                or matcher.is_terminated()):
+            return 0
+        count = 0
+        for token in drafts:
+            if matcher.is_terminated() or not matcher.accept_token(token):
+                break
+            count += 1
+        matcher.rollback(count)
+        return count
+
+    def fill_after(self, bitmask: Any, row: int, drafts: Sequence[int]) -> bool:
+        """`fill` for the state after `drafts` (a prefix `valid_drafts` accepted): the
+        bitmask row of a draft position. The state is the same afterwards."""
+        matcher = self._matcher
+        if not drafts or matcher is None:
+            return self.fill(bitmask, row)
+        taken = 0
+        try:
+            for token in drafts:
+                if not matcher.accept_token(token):
+                    return False  # not a checked prefix: the row stays all-allowed
+                taken += 1
+            return self.fill(bitmask, row)
+        finally:
+            matcher.rollback(taken)
+
+
+class DraftRow:
+    """The bitmask row of a draft position: the request's grammar after its first drafts."""
+
+    __slots__ = ("grammar", "prefix")
+
+    def __init__(self, grammar: RequestGrammar, prefix: Sequence[int]) -> None:
+        self.grammar = grammar
+        self.prefix = prefix
+
+    @property
+    def error(self) -> str | None:
+        """The request's grammar's error."""
+        return self.grammar.error
+
+    @error.setter
+    def error(self, value: str | None) -> None:
+        self.grammar.error = value
+
+    def fill(self, bitmask: Any, row: int) -> bool:
+        """Write the allowed tokens after the prefix into `bitmask[row]`."""
+        return self.grammar.fill_after(bitmask, row, self.prefix)
+
+
 def _bit(index: int) -> int:
     """The int32 word value with bit `index` set (bit 31 is the sign bit)."""
     return (1 << index) - (1 << 32) if index == 31 else 1 << index
@@ -216,7 +272,7 @@ class StructuredOutputManager:
             return self._reasoning, False, False
         return self._reasoning, True, True
 
-    def bitmask(self, grammars: Sequence[RequestGrammar | AllowAll],
+    def bitmask(self, grammars: Sequence[RequestGrammar | DraftRow | AllowAll],
                 ) -> tuple[np.ndarray[Any, Any], list[int]]:
         """The packed bitmask of a step's constrained rows; with the rows whose grammar
         allows no token (those requests must fail: their rows are left all-allowed, and

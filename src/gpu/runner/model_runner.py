@@ -460,9 +460,22 @@ class ModelRunner:
 
         mask = None
         if grammar is not None and grammar.req_ids:
-            def mask(logits: torch.Tensor, requests: list[int]) -> None:
-                self._apply_grammar(logits, [verify.req_ids[i] for i in requests],
-                                    np.arange(len(requests)), grammar)
+            rows_of: dict[str, list[int]] = {}  # request -> its bitmask rows, by position
+            for row, rid in enumerate(grammar.req_ids):
+                rows_of.setdefault(rid, []).append(row)
+            bits = torch.from_numpy(np.ascontiguousarray(grammar.bitmask))
+
+            def mask(logits: torch.Tensor, requests: list[int], position: int) -> None:
+                mask_rows, logit_rows = [], []
+                for i, request in enumerate(requests):
+                    rows = rows_of.get(verify.req_ids[request])
+                    if rows is not None and position < len(rows):
+                        mask_rows.append(rows[position])
+                        logit_rows.append(i)
+                if mask_rows:
+                    apply_bitmask(logits, bits[mask_rows].to(logits.device),
+                                  torch.tensor(logit_rows, dtype=torch.int64,
+                                               device=logits.device))
 
         result = sample_with_drafts(logits_at, verify.rows, verify.drafts, verify.slots,
                                     self.table, self.sampler, self.model_config.vocab_size,

@@ -33,8 +33,9 @@ from ringserve.gpu.sample.sampler import Sampler
 from ringserve.gpu.sample.sampling_metadata import build_sampling_metadata
 from ringserve.gpu.wire import Logprobs
 
-# Masks a position's logits in place for the requests of its rows (the grammar bitmask).
-RowMask = Callable[[torch.Tensor, list[int]], None]
+# Masks a position's logits in place for the requests of its rows (the grammar bitmask):
+# (logits, the request index of each row, the draft position).
+RowMask = Callable[[torch.Tensor, list[int], int], None]
 
 
 @dataclass
@@ -80,8 +81,8 @@ def sample_with_drafts(
         sampler: the sampler.
         vocab_size: the model's vocabulary.
         device: where the sampling inputs go.
-        mask: masks the logits of constrained requests (position 0 only: a constrained
-            request carries no drafts).
+        mask: masks the logits of constrained requests at each position (the grammar's
+            bitmask row for that draft position).
     """
     n = len(rows)
     sampled: list[list[int]] = [[] for _ in range(n)]
@@ -139,8 +140,8 @@ def _by_position(logits_at: Callable[[np.ndarray], torch.Tensor], rows: list[np.
     while alive:
         here = np.fromiter((int(rows[i][j]) for i in alive), dtype=np.int64, count=len(alive))
         logits = logits_at(here)
-        if mask is not None and j == 0:
-            mask(logits, alive)
+        if mask is not None:
+            mask(logits, alive, j)
         meta = build_sampling_metadata(table, slots[alive], vocab_size, device)
         result = sampler.forward(logits, meta)
         still: list[int] = []
