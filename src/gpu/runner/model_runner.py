@@ -248,11 +248,14 @@ class ModelRunner:
         self.kv_caches = []
         self.capture = None
         self.table = self._new_table()
+        if self.proposer is not None:
+            self.proposer.release_kv_cache()
 
     def release_model(self) -> None:
         """Drop the weights (sleep level 2); `load_model` brings them back."""
         self._model = None
         self.capture = None
+        self.proposer = None  # a draft model's weights go too; `load_model` builds it again
 
     @torch.inference_mode()
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:

@@ -86,6 +86,12 @@ class DraftModelProposer:
         if self.capture is None:
             logger.info("the draft model's decodes run eagerly: %s", reason)
 
+    def release_kv_cache(self) -> None:
+        """Drop the draft's cache and what was computed into it (sleep)."""
+        self.kv_caches = []
+        self.capture = None
+        self.computed.clear()
+
     def forget(self, req_ids: Iterable[str]) -> None:
         """Requests finished or preempted: their draft KV is no longer theirs."""
         for req_id in req_ids:
@@ -102,8 +108,10 @@ class DraftModelProposer:
         for req_id, slot, wanted in zip(req_ids, slots.tolist(), k, strict=True):
             n = int(table.num_tokens[slot])
             # The draft writes positions up to n + k - 2 and the verify step reads up to
-            # n - 1 + k: both inside the request's blocks and max_model_len.
-            room = min(int(table.num_blocks[slot]) * bs - n + 1, table.max_model_len - n)
+            # n - 1 + k: both inside the request's blocks and max_model_len (the draft's
+            # own, which may be shorter, bounds the first).
+            room = min(int(table.num_blocks[slot]) * bs - n + 1, table.max_model_len - n,
+                       self.draft.max_model_len - n + 1)
             wanted = min(wanted, room)
             if wanted > 0:
                 ids.append(req_id)

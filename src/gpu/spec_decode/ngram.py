@@ -49,6 +49,9 @@ class NgramProposer:
     def initialize_kv_cache(self, num_blocks: int) -> None:
         """No KV cache."""
 
+    def release_kv_cache(self) -> None:
+        """No KV cache."""
+
 
 def propose_ngram(tokens: np.ndarray, min_n: int, max_n: int, k: int) -> list[int]:
     """The up-to-`k` tokens that followed the latest earlier occurrence of the longest

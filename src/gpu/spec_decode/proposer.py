@@ -43,6 +43,10 @@ class Proposer(Protocol):
         """The pool has `num_blocks` blocks (the KV cache was allocated or reallocated)."""
         ...
 
+    def release_kv_cache(self) -> None:
+        """The KV cache was dropped (sleep): so is the proposer's, and what it kept."""
+        ...
+
 
 def make_proposer(config: EngineConfig, device: torch.device, tp: TPGroup,
                   backend: AttentionBackend) -> Proposer | None:
