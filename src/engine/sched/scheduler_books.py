@@ -295,6 +295,8 @@ class BooksMixin(OutputMixin):
             if req.status is not _RUNNING:
                 raise AssertionError(f"{req!r} in running list")
             limit = req.num_tokens + req.num_output_placeholders
+            if self.spec is not None:  # a step verifying drafts computes them too
+                limit += self.spec.max_drafts
             if not 0 < req.num_computed_tokens <= limit:
                 raise AssertionError(f"{req!r}: computed tokens out of range")
             slots = len(kv.get_block_ids(req.request_id)) * self.block_size

@@ -110,17 +110,18 @@ def _greedy_all(logits_at: Callable[[np.ndarray], torch.Tensor], rows: list[np.n
     offset = 0
     for i in active:
         count = rows[i].size
-        if nan[offset:offset + count].any():
-            errors[i] = _NAN
-            offset += count
-            continue
         run, draft = tokens[offset:offset + count], drafts[i]
-        offset += count
         kept = run[:1]
         for j, token in enumerate(run[1:]):
             if draft[j] != kept[-1]:
                 break
             kept.append(token)
+        # NaN fails the request only at a position it samples (as the loop would).
+        if nan[offset:offset + len(kept)].any():
+            errors[i] = _NAN
+            offset += count
+            continue
+        offset += count
         slot = int(slots[i])
         for token in kept:
             table.append_token(slot, token)
