@@ -33,6 +33,22 @@ def _cuda_available() -> bool:
 # promises (named after it). `CI=true scripts/test` runs them after the default selection, in
 # one process; run them alone with `scripts/test -m long`.
 LONG = {
+    "tests/gpu/spec_decode/test_spec_greedy.py::test_tensor_parallel_2":
+        "test_spec_greedy.py::test_greedy_equal_on_each_family[llama] (TP=1)",
+    "tests/gpu/spec_decode/test_spec_greedy.py::test_greedy_equal_on_each_family[mistral]":
+        "its [llama] case",
+    "tests/gpu/spec_decode/test_spec_greedy.py::test_greedy_equal_on_each_family[qwen2]":
+        "its [llama] case",
+    "tests/gpu/spec_decode/test_spec_greedy.py::test_greedy_equal_on_each_family[qwen3]":
+        "its [llama] case",
+    "tests/gpu/spec_decode/test_spec_greedy.py::test_greedy_equal_on_each_family[gemma2]":
+        "its [llama] case",
+    "tests/gpu/spec_decode/test_spec_greedy.py::test_greedy_equal_on_each_family[gemma3]":
+        "its [llama] case",
+    "tests/gpu/spec_decode/test_spec_greedy.py::test_greedy_equal_on_each_family[phi3]":
+        "its [llama] case",
+    "tests/gpu/spec_decode/test_spec_greedy.py::test_greedy_equal_on_each_family[qwen3moe]":
+        "its [llama] case",
     "tests/chaos/test_chaos.py::test_chaos": "test_fault_tolerance.py",
     "tests/shm/test_shm_bench.py::test_short_run_reports_medians_headline_and_spin_cpu":
         "the bench's unit tests",

@@ -285,14 +285,19 @@ class Scheduler(BooksMixin):
                     # Drafts the grammar forbids are cut before they cost a row.
                     drafts = drafts[:req.grammar.valid_drafts(drafts)]
                 n += len(drafts)
-            new_blocks = allocate(req, n, lookahead)
+            ahead = self._lookahead_for(req, n) if lookahead else 0
+            new_blocks = allocate(req, n, ahead)
             while new_blocks is None:
+                if ahead:  # the draft model's lookahead goes before any request does
+                    ahead = 0
+                    new_blocks = allocate(req, n, 0)
+                    continue
                 removed = self._make_room(req, i, step)
                 if removed < 0 or removed == i:
                     break  # req waits for its pending outputs, or left the running list
                 if removed < i:
                     i -= 1
-                new_blocks = allocate(req, n, lookahead)
+                new_blocks = allocate(req, n, 0)
             if new_blocks is None:
                 if i < len(running) and running[i] is req:
                     i += 1
@@ -366,7 +371,10 @@ class Scheduler(BooksMixin):
                 if not self.enable_chunked_prefill and n <= self.max_num_batched_tokens:
                     break  # waits for a step with the whole budget free
                 n = step.budget
-            if kv.allocate_slots(req, n, self._lookahead, new_computed_blocks=hit_blocks) is None:
+            ahead = self._lookahead_for(req, n, num_hit_tokens) if self._lookahead else 0
+            if (kv.allocate_slots(req, n, ahead, new_computed_blocks=hit_blocks) is None
+                    and (not ahead or kv.allocate_slots(
+                        req, n, 0, new_computed_blocks=hit_blocks) is None)):
                 if running:
                     break
                 waiting.pop()  # nothing else holds blocks: it can never fit
@@ -390,6 +398,13 @@ class Scheduler(BooksMixin):
             running.append(req)
             step.num_scheduled[req.request_id] = n
             step.budget -= n
+
+    def _lookahead_for(self, req: Request, n: int, computed: int | None = None) -> int:
+        """The draft model's lookahead slots for `req` computing `n` tokens from `computed`
+        (its computed count when not given): the configured number, but never past
+        max_model_len (the workers' block tables end there)."""
+        start = req.num_computed_tokens if computed is None else computed
+        return max(0, min(self._lookahead, self.max_model_len - start - n))
 
     def _take_invalidated(self, preempted: list[str]) -> list[str]:
         if not self._invalidated:

@@ -180,12 +180,11 @@ def _gather(lp_rows: dict[int, list[tuple[Logprobs, int]]],
     for i in range(len(sampled)):
         if not sampled[i]:
             continue
-        entries = lp_rows.get(i, [])
-        for lp, r in entries:
+        # A request that asked has a row at every position it sampled; one that did not
+        # has rows only where another request asked (their content is never read).
+        for at, (lp, r) in enumerate(lp_rows.get(i, [])):
             cols = lp.token_ids.shape[1]
-            ids[out, :cols], values[out, :cols] = lp.token_ids[r], lp.logprobs[r]
-            ranks[out] = lp.ranks[r]
-            out += 1
-        if not entries:
-            out += len(sampled[i])
+            ids[out + at, :cols], values[out + at, :cols] = lp.token_ids[r], lp.logprobs[r]
+            ranks[out + at] = lp.ranks[r]
+        out += len(sampled[i])
     return Logprobs(token_ids=ids, logprobs=values, ranks=ranks)
