@@ -12,10 +12,13 @@ drafts the workers proposed for the next step. Imports no torch.
 **Never slower.** A draft costs verification work whether or not it is accepted: at batch 1
 on a CPU a step's cost is the weights' bytes, almost the same for 1 row as for 5, but at large
 batches the step is compute-bound and every rejected row is lost time. `DraftController`
-measures, per decode batch size (in powers of two), the seconds per emitted token of steps with
-drafts and of steps without, and proposes drafts only where they have been the faster; the mode
-not in use is measured again now and then (every `EXPLORE_EVERY`-th step of that size), so a
-change of workload turns speculation back on. A batch size never measured starts with
+measures, per decode batch size (in powers of two), the seconds per emitted token of steps that
+verify and propose drafts and of steps that do neither (a step that switches between the two,
+such as the draft model catching up on the tokens it missed while off, is not counted), and
+proposes drafts only where they have been the faster; the mode
+not in use is measured again now and then (every `EXPLORE_EVERY`-th step of that size while
+the two are within `CLOSE_CALL` of each other, every `REVISIT_EVERY`-th when one is clearly
+slower), so a change of workload turns speculation back on. A batch size never measured starts with
 speculation (batch 1 speculates from its first decode step). `num_speculative_tokens_per_batch_size`
 pins the number of drafts per batch size instead.
 """
@@ -27,6 +30,11 @@ import time
 from ringserve.engine.wire import SpecDecodingStats
 
 EXPLORE_EVERY = 16  # steps of one batch size between two measurements of the mode not in use
+# ... while the two are within this factor of each other; a mode clearly slower is measured
+# again only every REVISIT_EVERY steps (switching a draft model back on costs a catch-up over
+# every token it missed: trying it is not free).
+CLOSE_CALL = 1.25
+REVISIT_EVERY = 1024
 _WEIGHT = 0.25  # the exponential average's weight of a new measurement
 
 
@@ -63,7 +71,11 @@ class DraftController:
         on = cost[0] <= cost[1]
         count = self._steps.get(bucket, 0) + 1
         self._steps[bucket] = count
-        if count % EXPLORE_EVERY == 0:
+        close = max(cost[0], cost[1]) < CLOSE_CALL * min(cost[0], cost[1])
+        # Two steps in the other mode: the first switches (not measured), the second is one
+        # of that mode's own.
+        period = EXPLORE_EVERY if close else REVISIT_EVERY
+        if count >= period and count % period < 2:
             on = not on
         return self.max_drafts if on else 0
 
@@ -101,6 +113,7 @@ class SpecScheduling:
         self._step_start = 0.0
         self._step_drafts = False
         self._step_batch = 0
+        self._step_steady = False
         self._stats = SpecDecodingStats()
 
     def drafts_for(self, request_id: str, room: int) -> list[int]:
@@ -116,7 +129,12 @@ class SpecScheduling:
         self._step_start = time.monotonic()
         self._step_drafts = with_drafts
         self._step_batch = batch
-        return self.controller.drafts_for_batch(batch)
+        k = self.controller.drafts_for_batch(batch)
+        # A step that verifies drafts but proposes none, or proposes without verifying (the
+        # draft model then catches up on every token it missed while off), is a switch
+        # between the modes: its time belongs to neither.
+        self._step_steady = (k > 0) == with_drafts
+        return k
 
     def verified(self, num_drafts: int, num_emitted: int) -> int:
         """A request verified `num_drafts` drafts and emitted `num_emitted` tokens: the
@@ -138,7 +156,7 @@ class SpecScheduling:
         """A step's output arrived with `drafts` for the next; a pure-decode step's time and
         `tokens` emitted feed the controller."""
         self._drafts = dict(drafts)
-        if decode_only:
+        if decode_only and self._step_steady:
             self.controller.observe(self._step_batch, self._step_drafts,
                                     time.monotonic() - self._step_start, tokens)
 

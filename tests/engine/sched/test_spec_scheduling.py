@@ -18,7 +18,12 @@ import ringserve.gpu.spec_decode.scheduling as scheduling
 from ringserve.config import CacheConfig, SchedulerConfig
 from ringserve.engine.sched.scheduler import Scheduler
 from ringserve.engine.wire import EngineCoreOutputs, FinishReason, SpecDecodingStats
-from ringserve.gpu.spec_decode.scheduling import EXPLORE_EVERY, DraftController, SpecScheduling
+from ringserve.gpu.spec_decode.scheduling import (
+    EXPLORE_EVERY,
+    REVISIT_EVERY,
+    DraftController,
+    SpecScheduling,
+)
 from ringserve.gpu.wire import ModelRunnerOutput, SchedulerOutput
 from ringserve.sampling_params import StructuredOutputsParams
 
@@ -391,10 +396,19 @@ def test_drafts_measured_slower_turn_off_and_are_explored_again() -> None:
     controller.observe(8, True, seconds=1.0, tokens=8)  # 0.125 s per token with drafts
     assert controller.drafts_for_batch(8) == 0  # the other mode is measured once
     controller.observe(8, False, seconds=0.5, tokens=8)  # 0.0625 s without: faster
-    decisions = [controller.drafts_for_batch(8) for _ in range(2 * EXPLORE_EVERY)]
+    # Clearly slower (2x): measured again only every REVISIT_EVERY steps, two steps long.
+    decisions = [controller.drafts_for_batch(8) for _ in range(REVISIT_EVERY + 1)]
     on = [i for i, k in enumerate(decisions) if k]
-    assert on == [EXPLORE_EVERY - 1, 2 * EXPLORE_EVERY - 1]
+    assert on == [REVISIT_EVERY - 1, REVISIT_EVERY]
     assert all(k in (0, 3) for k in decisions)
+    # A close call (within CLOSE_CALL): explored every EXPLORE_EVERY steps.
+    close = DraftController(3)
+    close.observe(8, True, seconds=0.56, tokens=8)
+    close.drafts_for_batch(8)
+    close.observe(8, False, seconds=0.5, tokens=8)
+    decisions = [close.drafts_for_batch(8) for _ in range(2 * EXPLORE_EVERY)]
+    on = [i for i, k in enumerate(decisions) if k]
+    assert on == [EXPLORE_EVERY - 1, EXPLORE_EVERY, 2 * EXPLORE_EVERY - 1]
     # Batch sizes share a measurement per power of two: 5..8 with 8, not 4 or 9.
     assert controller.drafts_for_batch(5) == 0
     assert controller.drafts_for_batch(4) == 3 and controller.drafts_for_batch(9) == 3
@@ -424,7 +438,8 @@ class _Clock:
 def test_the_scheduler_feeds_the_controller_and_follows_it(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """Steps with drafts take 1 s and emit 2 tokens, steps without 0.1 s and 1: once both
-    are measured the scheduler asks for no drafts but every EXPLORE_EVERY-th step."""
+    are measured the scheduler asks for no drafts (drafts are clearly slower: they are tried
+    again only after REVISIT_EVERY steps)."""
     clock = _Clock()
     monkeypatch.setattr(scheduling, "time", clock)
     sched = _make(k=2)
@@ -443,8 +458,7 @@ def test_the_scheduler_feeds_the_controller_and_follows_it(
         asked.append(so.num_spec_tokens)
     # prefill: 2; first decode (drafts, nothing measured yet): 2; then the mode without
     # drafts is measured: 0 while that step (which still carries drafts) runs, 0 for the
-    # step without; then off, except every EXPLORE_EVERY-th step.
+    # step without; then off.
     assert asked[:4] == [2, 2, 0, 0]
-    on = [i for i, k in enumerate(asked[4:]) if k]
-    assert on == [EXPLORE_EVERY - 1, 2 * EXPLORE_EVERY - 1], asked
+    assert not any(asked[4:]), asked
     _end(sched)
