@@ -27,6 +27,7 @@ counted, as vLLM's) from the engine's own counters over the timed runs. llama-se
 here (see docs/benchmarks.md).
 
     python scripts/bench_spec.py [--runs 3] [--threads 2] [--k 4] [--model DIR]
+        [--draft-quantization int4|int8]
 """
 
 from __future__ import annotations
@@ -93,8 +94,9 @@ def engines(model: Path, args: argparse.Namespace) -> dict[str, Any]:
     configs: dict[str, dict[str, Any] | None] = {
         "off": None,
         "ngram": {"method": "ngram", "num_speculative_tokens": args.k},
-        "int4 self-draft": {"method": "draft_model", "model": str(model),
-                            "quantization": "int4", "num_speculative_tokens": args.k},
+        f"{args.draft_quantization} self-draft": {
+            "method": "draft_model", "model": str(model),
+            "quantization": args.draft_quantization, "num_speculative_tokens": args.k},
     }
     out: dict[str, Any] = {}
     for name, spec in configs.items():
@@ -164,6 +166,8 @@ def main() -> int:
     parser.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
     parser.add_argument("--model", type=Path, default=None)
     parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--draft-quantization", default="int4", choices=["int4", "int8"],
+                        help="the self-draft's weights (the demo model's shapes need int8)")
     parser.add_argument("--only", nargs="+", default=None,
                         help="sides to run (off, ngram, 'int4 self-draft')")
     parser.add_argument("--workloads", nargs="+", default=["edit", "chat", "concurrent"])
