@@ -33,6 +33,8 @@ def _cuda_available() -> bool:
 # promises (named after it). `CI=true scripts/test` runs them after the default selection, in
 # one process; run them alone with `scripts/test -m long`.
 LONG = {
+    "tests/gpu/spec_decode/test_spec_greedy.py::test_quantized_target[int8]":
+        "test_spec_greedy.py::test_quantized_target[int4]",
     "tests/gpu/spec_decode/test_spec_greedy.py::test_tensor_parallel_2":
         "test_spec_greedy.py::test_greedy_equal_on_each_family[llama] (TP=1)",
     "tests/gpu/spec_decode/test_spec_greedy.py::test_greedy_equal_on_each_family[mistral]":

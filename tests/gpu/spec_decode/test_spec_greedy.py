@@ -167,3 +167,11 @@ def test_request_that_fills_the_kv_cache(method: str, tiny_llama_dir: Path) -> N
     prompt = [{"prompt_token_ids": [7] * 80}]
     results = compare(tiny_llama_dir, engine, per_mode, prompt, params)
     assert len(results["off-sync"][0][0]) == 64
+
+
+@pytest.mark.parametrize("quantization", ["int8", "int4"])
+def test_quantized_target(quantization: str, tiny_llama_dir: Path) -> None:
+    """A weight-only quantized target (its own int8 / int4 panels through the captured
+    step) verifies drafts exactly as it decodes without them."""
+    engine = {**SMALL, "quantization": quantization}
+    compare(tiny_llama_dir, engine, modes(tiny_llama_dir), PROMPTS, GREEDY)
