@@ -34,7 +34,17 @@ def _cuda_available() -> bool:
 # one process; run them alone with `scripts/test -m long`.
 LONG = {
     "tests/gpu/spec_decode/test_spec_greedy.py::test_quantized_target[int8]":
-        "test_spec_greedy.py::test_quantized_target[int4]",
+        "test_spec_greedy.py::test_greedy_equal_on_each_family[llama]",
+    "tests/gpu/spec_decode/test_spec_greedy.py::test_quantized_target[int4]":
+        "test_spec_greedy.py::test_greedy_equal_on_each_family[llama]",
+    "tests/gpu/spec_decode/test_spec_greedy.py::test_enforce_eager":
+        "test_spec_greedy.py::test_greedy_equal_on_each_family[llama] (captured step)",
+    "tests/gpu/spec_decode/test_spec_greedy.py::test_preemption":
+        "test_spec_scheduling.py's preemption cases",
+    "tests/gpu/spec_decode/test_spec_greedy.py::test_request_that_fills_max_model_len[ngram]":
+        "its [draft] case",
+    "tests/gpu/spec_decode/test_spec_greedy.py::test_request_that_fills_the_kv_cache[ngram]":
+        "its [draft] case",
     "tests/gpu/spec_decode/test_spec_greedy.py::test_tensor_parallel_2":
         "test_spec_greedy.py::test_greedy_equal_on_each_family[llama] (TP=1)",
     "tests/gpu/spec_decode/test_spec_greedy.py::test_greedy_equal_on_each_family[mistral]":
