@@ -37,6 +37,9 @@ LONG = {
         "test_spec_greedy.py::test_greedy_equal_on_each_family[llama]",
     "tests/gpu/spec_decode/test_spec_greedy.py::test_quantized_target[int4]":
         "test_spec_greedy.py::test_greedy_equal_on_each_family[llama]",
+    "tests/gpu/spec_decode/test_spec_verify.py::"
+    "test_verify_layout_matches_decodes_triton_under_interpreter":
+        "test_verify_layout_matches_decodes_torch_backend",
     "tests/gpu/spec_decode/test_spec_greedy.py::test_enforce_eager":
         "test_spec_greedy.py::test_greedy_equal_on_each_family[llama] (captured step)",
     "tests/gpu/spec_decode/test_spec_greedy.py::test_preemption":
