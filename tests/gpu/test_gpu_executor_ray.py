@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import shutil
 import signal
+import tempfile
 import time
 from collections.abc import Iterator
 from concurrent.futures import Future
@@ -99,12 +101,18 @@ def _ray_processes(temp_dir: Path) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def ray_tmp(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
-    temp_dir = tmp_path_factory.mktemp("ray")
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("RINGSERVE_RAY_TMPDIR", str(temp_dir))
-        mp.delenv("RAY_ADDRESS", raising=False)  # a private Ray, never the caller's cluster
-        yield temp_dir
+def ray_tmp() -> Iterator[Path]:
+    # A short directory of its own, not pytest's numbered one: Ray's unix sockets live below
+    # it and a socket path holds at most 107 bytes (after 60-odd runs on one machine,
+    # /tmp/pytest-of-root/pytest-61/popen-gw1/ray0 was a character too long).
+    temp_dir = Path(tempfile.mkdtemp(prefix="rsray-"))
+    try:
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setenv("RINGSERVE_RAY_TMPDIR", str(temp_dir))
+            mp.delenv("RAY_ADDRESS", raising=False)  # a private Ray, never the caller's cluster
+            yield temp_dir
+    finally:
+        shutil.rmtree(temp_dir, ignore_errors=True)
 
 
 @pytest.fixture(scope="module")
