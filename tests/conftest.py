@@ -44,10 +44,10 @@ LONG = {
         "test_spec_greedy.py::test_greedy_equal_on_each_family[llama] (captured step)",
     "tests/gpu/spec_decode/test_spec_greedy.py::test_preemption":
         "test_spec_scheduling.py's preemption cases",
-    "tests/gpu/spec_decode/test_spec_greedy.py::test_request_that_fills_max_model_len[ngram]":
-        "its [draft] case",
-    "tests/gpu/spec_decode/test_spec_greedy.py::test_request_that_fills_the_kv_cache[ngram]":
-        "its [draft] case",
+    "tests/gpu/spec_decode/test_spec_greedy.py::test_request_that_fills_max_model_len":
+        "test_spec_scheduling.py's draft caps at max_model_len",
+    "tests/gpu/spec_decode/test_spec_greedy.py::test_request_that_fills_the_kv_cache":
+        "test_spec_scheduling.py's lookahead cases",
     "tests/gpu/spec_decode/test_spec_greedy.py::test_tensor_parallel_2":
         "test_spec_greedy.py::test_greedy_equal_on_each_family[llama] (TP=1)",
     "tests/gpu/spec_decode/test_spec_greedy.py::test_greedy_equal_on_each_family[mistral]":
