@@ -327,6 +327,31 @@ def test_lookahead_slots_are_allocated() -> None:
     _end(sched)
 
 
+def test_lookahead_stops_at_max_model_len() -> None:
+    """The lookahead never reaches past max_model_len (the workers' block tables end there:
+    a draft model's request crashed the engine at its last block before this was capped)."""
+    sched = _make(k=3, lookahead=3, max_model_len=16)
+    kv = sched.kv_cache_manager
+    sched.add_request(make_request("a", 14, max_tokens=2))
+    sched.schedule()
+    assert len(kv.get_block_ids("a")) == 16 // BS  # 14 + 3 lookahead capped at 16 slots
+    sched.finish_requests("a")
+    _end(sched)
+
+
+def test_lookahead_gives_way_when_the_cache_is_short() -> None:
+    """A request that fits without the lookahead is admitted without it (it was refused as
+    needing more blocks than the whole cache)."""
+    sched = _make(k=3, lookahead=3, max_model_len=64, num_blocks=5)  # 4 usable blocks of 4
+    kv = sched.kv_cache_manager
+    sched.add_request(make_request("a", 15, max_tokens=1))
+    so = sched.schedule()
+    assert so.num_scheduled_tokens == {"a": 15}
+    assert len(kv.get_block_ids("a")) == 4
+    sched.finish_requests("a")
+    _end(sched)
+
+
 # -- how requests end --------------------------------------------------------------------------
 
 
