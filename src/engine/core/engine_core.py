@@ -27,7 +27,7 @@ from ringserve.engine.metrics.expert_load import WORKER_METHOD as EXPERT_LOAD_ME
 from ringserve.engine.metrics.expert_load import ExpertLoadPuller
 from ringserve.engine.metrics.flops import ModelFlops
 from ringserve.engine.sched.scheduler import Scheduler
-from ringserve.engine.structured.manager import AllowAll, DraftRow, StructuredOutputManager
+from ringserve.engine.structured.manager import AllowAll, StructuredOutputManager, draft_rows
 from ringserve.engine.wire import (
     EngineCoreOutput,
     EngineCoreOutputs,
@@ -147,7 +147,7 @@ class EngineCore(WeightSyncMixin, PauseSleepMixin):
             log_stats=not config.observability_config.disable_log_stats,
             engine_index=self.engine_index,
             structured=self.structured,
-            spec=_spec_scheduling(config),
+            spec=SpecScheduling.from_config(config.speculative_config),
         )
 
     # -- faults --------------------------------------------------------------------------------
@@ -365,7 +365,7 @@ class EngineCore(WeightSyncMixin, PauseSleepMixin):
                                for rid in ids]
         drafted = scheduler_output.spec_token_ids
         if drafted and any(rid in drafted for rid in ids):
-            ids, grammars = _draft_rows(ids, grammars, drafted)
+            ids, grammars = draft_rows(ids, grammars, drafted, _FINISHED)
         bitmask, dead = self.structured.bitmask(grammars)
         for row in dead:
             req = requests.get(ids[row])
@@ -481,30 +481,3 @@ def _worth_sending(scheduler_output: SchedulerOutput) -> bool:
     return bool(scheduler_output.total_num_scheduled_tokens or scheduler_output.finished_req_ids
                 or scheduler_output.preempted_req_ids)
 
-
-def _spec_scheduling(config: EngineConfig) -> SpecScheduling | None:
-    """Speculative decoding's books for the scheduler (None: speculation is off)."""
-    spec = config.speculative_config
-    if spec is None:
-        return None
-    k = spec.num_speculative_tokens
-    return SpecScheduling(k, lookahead=k if spec.uses_draft_model else 0,
-                          pinned=spec.per_batch_size)
-
-
-def _draft_rows(ids: list[str], grammars: list[Any], drafted: dict[str, list[int]],
-                ) -> tuple[list[str], list[Any]]:
-    """Speculative decoding: a constrained request with `k` drafts gets `1 + k` bitmask rows,
-    row `j` the grammar after its first `j` drafts (the workers mask draft position `j` with
-    the request's `j`-th row)."""
-    out_ids: list[str] = []
-    out: list[Any] = []
-    for rid, grammar in zip(ids, grammars, strict=True):
-        out_ids.append(rid)
-        out.append(grammar)
-        drafts = drafted.get(rid)
-        if drafts and grammar is not _FINISHED:
-            for j in range(1, len(drafts) + 1):
-                out_ids.append(rid)
-                out.append(DraftRow(grammar, drafts[:j]))
-    return out_ids, out

@@ -170,6 +170,24 @@ class DraftRow:
         return self.grammar.fill_after(bitmask, row, self.prefix)
 
 
+def draft_rows(ids: list[str], grammars: list[Any], drafted: dict[str, list[int]],
+               finished: object) -> tuple[list[str], list[Any]]:
+    """Speculative decoding: a constrained request with `k` drafts gets `1 + k` bitmask rows,
+    row `j` its grammar after its first `j` drafts (the workers mask draft position `j` with
+    the request's `j`-th row); `finished` marks a request that ended meanwhile (one row)."""
+    out_ids: list[str] = []
+    out: list[Any] = []
+    for rid, grammar in zip(ids, grammars, strict=True):
+        out_ids.append(rid)
+        out.append(grammar)
+        drafts = drafted.get(rid)
+        if drafts and grammar is not finished:
+            for j in range(1, len(drafts) + 1):
+                out_ids.append(rid)
+                out.append(DraftRow(grammar, drafts[:j]))
+    return out_ids, out
+
+
 def _bit(index: int) -> int:
     """The int32 word value with bit `index` set (bit 31 is the sign bit)."""
     return (1 << index) - (1 << 32) if index == 31 else 1 << index

@@ -30,7 +30,7 @@ import torch
 
 from ringserve.gpu.runner.request_state import RequestTable
 from ringserve.gpu.sample.sampler import Sampler
-from ringserve.gpu.sample.sampling_metadata import build_sampling_metadata
+from ringserve.gpu.sample.sampling_metadata import SamplingMetadata, build_sampling_metadata
 from ringserve.gpu.wire import Logprobs
 
 # Masks a position's logits in place for the requests of its rows (the grammar bitmask):
@@ -97,7 +97,7 @@ def sample_with_drafts(
         _greedy_all(logits_at, rows, drafts, slots, table, active, sampled, errors)
         return DraftSampling(sampled, None, errors)
     return _by_position(logits_at, rows, drafts, slots, table, sampler, vocab_size, device,
-                        mask, active, sampled, errors)
+                        mask, active, sampled, errors, meta)
 
 
 def _greedy_all(logits_at: Callable[[np.ndarray], torch.Tensor], rows: list[np.ndarray],
@@ -131,10 +131,10 @@ def _greedy_all(logits_at: Callable[[np.ndarray], torch.Tensor], rows: list[np.n
 def _by_position(logits_at: Callable[[np.ndarray], torch.Tensor], rows: list[np.ndarray],
                  drafts: list[list[int]], slots: np.ndarray, table: RequestTable,
                  sampler: Sampler, vocab_size: int, device: torch.device, mask: RowMask | None,
-                 active: list[int],
-                 sampled: list[list[int]], errors: dict[int, str]) -> DraftSampling:
+                 active: list[int], sampled: list[list[int]], errors: dict[int, str],
+                 first: SamplingMetadata) -> DraftSampling:
     """The general case: position j of every request still running is sampled with the
-    history holding its drafts before j."""
+    history holding its drafts before j (`first`: position 0's metadata, already built)."""
     lp_rows: dict[int, list[tuple[Logprobs, int]]] = {}  # request -> (a position's result, row)
     j = 0
     alive = active
@@ -143,7 +143,8 @@ def _by_position(logits_at: Callable[[np.ndarray], torch.Tensor], rows: list[np.
         logits = logits_at(here)
         if mask is not None:
             mask(logits, alive, j)
-        meta = build_sampling_metadata(table, slots[alive], vocab_size, device)
+        meta = first if j == 0 else build_sampling_metadata(table, slots[alive], vocab_size,
+                                                            device)
         result = sampler.forward(logits, meta)
         still: list[int] = []
         for r, i in enumerate(alive):

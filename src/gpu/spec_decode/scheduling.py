@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import time
 
+from ringserve.config import SpecDecodeConfig
 from ringserve.engine.wire import SpecDecodingStats
 
 EXPLORE_EVERY = 16  # steps of one batch size between two measurements of the mode not in use
@@ -115,6 +116,15 @@ class SpecScheduling:
         self._step_batch = 0
         self._step_steady = False
         self._stats = SpecDecodingStats()
+
+    @classmethod
+    def from_config(cls, spec: SpecDecodeConfig | None) -> SpecScheduling | None:
+        """The books for `--speculative-config` (None: speculation is off); a draft model
+        gets `k` lookahead slots, n-gram drafts none."""
+        if spec is None:
+            return None
+        k = spec.num_speculative_tokens
+        return cls(k, lookahead=k if spec.uses_draft_model else 0, pinned=spec.per_batch_size)
 
     def drafts_for(self, request_id: str, room: int) -> list[int]:
         """The drafts a running decode verifies this step: at most `room` (what the token
