@@ -420,6 +420,42 @@ class SpecDecodeConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class PoolerConfig:
+    """The pooling runner, resolved (`--runner pooling`, `--convert`, `--pooler-config`, and
+    the model's own files: built by `ringserve.gpu.pooling.layout.resolve_pooler_config`).
+
+    Attributes:
+        convert: "embed" (embeddings, and scores as their cosine) or "classify" (a
+            classifier head: classification, and scores of a cross-encoder).
+        pooling_type: "CLS" (the first token), "MEAN" (the mean over the tokens) or "LAST"
+            (the last token).
+        normalize: L2-normalise embeddings unless a request says otherwise.
+        encoder: the model is a bidirectional encoder (BERT, XLM-RoBERTa): no KV cache, and
+            each input runs whole in one step.
+        enable_chunked_processing: an input longer than max_model_len is split into chunks
+            of max_model_len tokens, each from position 0, pooled into their token-weighted
+            mean (embed with MEAN pooling only, as vLLM).
+        max_embed_len: the longest input chunked processing takes (None: no limit).
+        matryoshka_dimensions: the `dimensions` a request may ask for (None: not a Matryoshka
+            model; empty: any up to the hidden size).
+        id2label: the classifier's label names, in label order (classify).
+        max_input_len: the longest input in tokens (set at the edge from the model's length;
+            the engine's `max_model_len` is one more, for the one token a pooling request
+            books and never samples).
+    """
+
+    convert: Literal["embed", "classify"]
+    pooling_type: Literal["CLS", "MEAN", "LAST"]
+    normalize: bool
+    encoder: bool
+    enable_chunked_processing: bool = False
+    max_embed_len: int | None = None
+    matryoshka_dimensions: tuple[int, ...] | None = None
+    id2label: tuple[str, ...] = ()
+    max_input_len: int = 0
+
+
+@dataclass(frozen=True, slots=True)
 class EngineConfig:
     """The whole configuration of one engine, passed from the edge to every layer."""
 
@@ -439,3 +475,5 @@ class EngineConfig:
     weight_transfer_timeout_s: float = 60.0
     # Speculative decoding (`--speculative-config`; None: off).
     speculative_config: SpecDecodeConfig | None = None
+    # The pooling runner (`--runner pooling`; None: the model generates text).
+    pooler_config: PoolerConfig | None = None

@@ -8,6 +8,7 @@ follows vLLM's so that code reading `out.outputs[0].text` keeps working.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 # One position's log-probabilities: token id -> (logprob, rank, decoded token or None).
 PositionLogprobs = dict[int, "Logprob"]
@@ -106,3 +107,100 @@ class RequestOutput:
     finished: bool
     metrics: RequestMetrics | None = None
     num_cached_tokens: int = 0
+
+
+# -- pooling (embeddings, classification, scores: `ringserve.gpu.pooling`) ---------------------
+
+
+@dataclass(slots=True)
+class PoolingOutput:
+    """What the pooler computed for one input (vLLM's `PoolingOutput`).
+
+    Attributes:
+        data: float32 numpy array: [hidden] (or [dimensions]) for an embedding, [num_labels]
+            for a classification or score, [num_tokens, hidden] for per-token outputs. (vLLM
+            holds a torch tensor here; ringserve's frontend imports no torch.)
+    """
+
+    data: Any
+
+
+@dataclass(slots=True)
+class PoolingRequestOutput:
+    """One pooling request's result (vLLM's `PoolingRequestOutput`).
+
+    Attributes:
+        request_id: the caller's (or generated) request id.
+        outputs: the pooled result.
+        prompt_token_ids: the input's token ids (after truncation).
+        finished: always True (a pooling request answers once).
+        num_cached_tokens: prompt tokens served from the prefix cache.
+    """
+
+    request_id: str
+    outputs: PoolingOutput
+    prompt_token_ids: list[int]
+    finished: bool = True
+    num_cached_tokens: int = 0
+
+
+@dataclass(slots=True)
+class EmbeddingOutput:
+    """An embedding (`LLM.embed`): `embedding` as a list of floats."""
+
+    embedding: list[float]
+
+    @property
+    def hidden_size(self) -> int:
+        """The embedding's length."""
+        return len(self.embedding)
+
+
+@dataclass(slots=True)
+class ClassificationOutput:
+    """A classification (`LLM.classify`): one probability (or activated logit) per label."""
+
+    probs: list[float]
+
+    @property
+    def num_classes(self) -> int:
+        """The number of labels."""
+        return len(self.probs)
+
+
+@dataclass(slots=True)
+class ScoringOutput:
+    """A relevance score (`LLM.score`): a cross-encoder's activated logit, or the cosine of
+    two embeddings."""
+
+    score: float
+
+
+@dataclass(slots=True)
+class EmbeddingRequestOutput:
+    """`LLM.embed`'s result for one input (vLLM's shape: `.outputs.embedding`)."""
+
+    request_id: str
+    outputs: EmbeddingOutput
+    prompt_token_ids: list[int]
+    finished: bool = True
+
+
+@dataclass(slots=True)
+class ClassificationRequestOutput:
+    """`LLM.classify`'s result for one input (`.outputs.probs`)."""
+
+    request_id: str
+    outputs: ClassificationOutput
+    prompt_token_ids: list[int]
+    finished: bool = True
+
+
+@dataclass(slots=True)
+class ScoringRequestOutput:
+    """`LLM.score`'s result for one pair (`.outputs.score`)."""
+
+    request_id: str
+    outputs: ScoringOutput
+    prompt_token_ids: list[int]
+    finished: bool = True

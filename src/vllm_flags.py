@@ -124,8 +124,6 @@ ONLY_VALUES: tuple[OnlyValues, ...] = (
                "pipeline parallelism is not implemented"),
     OnlyValues(("--tokenizer-mode",), ("auto", "hf"), "the Hugging Face tokenizer is used"),
     OnlyValues(("--config-format",), ("auto", "hf"), "the model's config.json is read"),
-    OnlyValues(("--task",), ("auto", "generate"), "ringserve generates text only"),
-    OnlyValues(("--runner",), ("auto", "generate"), "ringserve generates text only"),
     OnlyValues(("--chat-template-content-format",), ("auto", "string"),
                "message content is rendered into the chat template as a string"),
 )

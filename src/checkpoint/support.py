@@ -24,6 +24,23 @@ SUPPORTED_ARCHITECTURES: tuple[str, ...] = (
     "Qwen2MoeForCausalLM",
     "MixtralForCausalLM",
 )
+# Served by the pooling runner only (`--runner pooling`, `ringserve.gpu.pooling.encoder`):
+# bidirectional encoders and their cross-encoder heads.
+POOLING_ONLY_ARCHITECTURES: tuple[str, ...] = (
+    "BertModel",
+    "BertForSequenceClassification",
+    "XLMRobertaModel",
+    "XLMRobertaForSequenceClassification",
+)
+# Decoders saved as their base model (no LM head; sentence-transformers and Qwen3-Embedding
+# layouts), pooled by the decoder family's own model: served by the pooling runner only.
+DECODER_BASE_ARCHITECTURES: dict[str, str] = {
+    "LlamaModel": "LlamaForCausalLM",
+    "MistralModel": "MistralForCausalLM",
+    "Qwen2Model": "Qwen2ForCausalLM",
+    "Qwen3Model": "Qwen3ForCausalLM",
+}
+SUPPORTED_ARCHITECTURES += POOLING_ONLY_ARCHITECTURES + tuple(DECODER_BASE_ARCHITECTURES)
 
 
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")

@@ -44,6 +44,7 @@ from ringserve.engine.flag_values import (
     quantization_method,
 )
 from ringserve.errors import ModelDirectoryError
+from ringserve.gpu.pooling.engine_config import PoolingSettings, pooling_settings
 from ringserve.gpu.spec_decode.config import (
     parse_speculative_config,
     resolve_speculative_config,
@@ -114,6 +115,12 @@ class EngineArgs:
     weight_transfer_config: str | dict[str, Any] | None = None
     weight_transfer_timeout_s: float = 60.0
     speculative_config: str | dict[str, Any] | None = None
+    # The pooling runner (`ringserve.gpu.pooling`): vLLM's `--runner`, `--convert`, the older
+    # `--task`, and `--pooler-config`.
+    runner: str = "auto"
+    convert: str = "auto"
+    task: str | None = None
+    pooler_config: str | dict[str, Any] | None = None
 
     # -- CLI -------------------------------------------------------------------------------
 
@@ -176,8 +183,14 @@ class EngineArgs:
             quantization=self.quantization,
             gguf_dequantize=self.gguf_dequantize,
         )
+        pooling = self._pooling_settings(model_config)
+        if pooling is not None:
+            model_config = pooling.model_config
         speculative_config = self._spec_decode_config(model_config)
-        return EngineConfig(
+        if pooling is not None and speculative_config is not None:
+            raise ValueError("speculative_config: a pooling model does not generate, so it "
+                             "cannot speculate (drop --speculative-config)")
+        config = EngineConfig(
             model_config=model_config,
             cache_config=CacheConfig(
                 block_size=self.block_size,
@@ -219,6 +232,21 @@ class EngineArgs:
             weight_transfer_timeout_s=self._weight_transfer_timeout(),
             speculative_config=speculative_config,
         )
+        if pooling is None:
+            return config
+        return dataclasses.replace(
+            config, pooler_config=pooling.pooler,
+            cache_config=pooling.cache_config(config.cache_config),
+            scheduler_config=pooling.scheduler_config(config.scheduler_config))
+
+    def _pooling_settings(self, model_config: ModelConfig) -> PoolingSettings | None:
+        """The pooling runner's settings (`ringserve.gpu.pooling.engine_config`), or None
+        when the model generates text."""
+        return pooling_settings(
+            model_config, runner=self.runner, convert=self.convert,
+            task=self.task if self.task not in (None, "auto") else None,
+            override=self.pooler_config,
+            user_max_model_len=None if self.max_model_len in (None, -1) else self.max_model_len)
 
     def _weight_transfer_config(self) -> WeightTransferConfig | None:
         try:

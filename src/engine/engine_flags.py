@@ -138,6 +138,18 @@ FLAG_SPECS: tuple[FlagSpec, ...] = (
               "num_speculative_tokens: 1..16 (default 4), "
               "num_speculative_tokens_per_batch_size: [[first_batch, last_batch, k], ...]}; "
               "scheduling is synchronous while it is on (ringserve.gpu.spec_decode)", str),
+    FlagSpec("runner", "generate text, or pool (embeddings, classification, scores); auto: "
+              "pooling for encoders, *ForSequenceClassification and sentence-transformers "
+              "layouts (ringserve.gpu.pooling)", str, ("auto", "generate", "pooling")),
+    FlagSpec("convert", "what a pooling model computes: embed or classify (auto: classify "
+              "for *ForSequenceClassification, else embed)", str,
+              ("auto", "none", "embed", "classify")),
+    FlagSpec("task", "vLLM's older spelling of --runner / --convert: generate, embed, "
+              "classify or score", str,
+              ("auto", "generate", "embed", "embedding", "classify", "score", "reward")),
+    FlagSpec("pooler_config", "the pooler, as JSON: {\"pooling_type\": \"CLS\" | \"MEAN\" | "
+              "\"LAST\", \"normalize\": bool, \"enable_chunked_processing\": bool, "
+              "\"max_embed_len\": int} (default: the model's sentence-transformers files)", str),
     FlagSpec("override_generation_config", "JSON object over the generation config, e.g. "
               "'{\"temperature\": 0.5}'", str),
 )

@@ -12,8 +12,10 @@ import enum
 from typing import Any
 
 import msgspec
+import numpy as np
 
 from ringserve.gpu.wire import Logprobs
+from ringserve.pooling_params import PoolingParams
 from ringserve.sampling_params import SamplingParams
 
 __all__ = [
@@ -80,6 +82,10 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=
         cache_salt: isolates this request's prefix-cache entries from other salts.
         data_parallel_rank: pin to one DP rank; None lets the client balance.
         client_index: which frontend client sent it (outputs are routed back by it).
+        pooling_params: set for a pooling request (an embedding, a classification, a score):
+            prefill only, answered with the pooler's output instead of tokens;
+            `sampling_params` then asks for one token (the scheduler's books) that is never
+            sampled.
     """
 
     request_id: str
@@ -90,6 +96,8 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=
     cache_salt: str | None = None
     data_parallel_rank: int | None = None
     client_index: int = 0
+    # Appended fields (array_like: order is the wire format; only append at the end).
+    pooling_params: PoolingParams | None = None
 
 
 class AddRequest(msgspec.Struct, tag="add", array_like=True, gc=False):
@@ -136,6 +144,8 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=F
         stop_reason: the stop token id (or, from the frontend, stop string) that ended it.
         events: life-cycle events since the last output, when stats are on.
         num_cached_tokens: prompt tokens served from the prefix cache.
+        pooling_output: a pooling request's result (float32; see `PoolingOutput`), on its
+            last (and only) output.
     """
 
     request_id: str
@@ -146,6 +156,8 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=F
     stop_reason: int | str | None = None
     events: list[EngineCoreEvent] | None = None
     num_cached_tokens: int = 0
+    # Appended fields (array_like: order is the wire format; only append at the end).
+    pooling_output: np.ndarray[Any, Any] | None = None
 
     @property
     def finished(self) -> bool:

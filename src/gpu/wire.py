@@ -17,6 +17,7 @@ from typing import Any
 import msgspec
 import numpy as np
 
+from ringserve.pooling_params import PoolingParams
 from ringserve.sampling_params import SamplingParams
 
 
@@ -44,6 +45,10 @@ class NewRequestData(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
     block_ids: list[int]
     num_computed_tokens: int
     output_token_ids: list[int] = []
+    # Appended fields (array_like: only append at the end).
+    # A pooling request (`ringserve.gpu.pooling`): pooled after its last prompt token, never
+    # sampled.
+    pooling_params: PoolingParams | None = None
 
 
 class CachedRequestData(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
@@ -146,3 +151,6 @@ class ModelRunnerOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=
     # Appended fields (array_like: only append at the end).
     # Speculative decoding: request id -> draft tokens proposed for its next step.
     draft_token_ids: dict[str, list[int]] = {}
+    # Pooling requests that finished their prompt this step: request id -> the pooler's
+    # output (float32; `ringserve.gpu.pooling`). They sample nothing (an empty token list).
+    pooled: dict[str, np.ndarray[Any, Any]] = {}

@@ -23,6 +23,7 @@ from ringserve.config import EngineConfig
 from ringserve.gpu.attention.backend import BackendName
 from ringserve.gpu.layers.parallel import TPGroup, init_tp_group
 from ringserve.gpu.moe.dispatch import init_ep_group, set_ep_group
+from ringserve.gpu.pooling.encoder_runner import EncoderRunner
 from ringserve.gpu.runner.input_prep import prepare_inputs
 from ringserve.gpu.runner.model_runner import ModelRunner
 from ringserve.gpu.weights.update import WeightUpdateError, WeightUpdater, weight_checksum
@@ -96,7 +97,10 @@ class Worker:
 
     def load_model(self) -> None:
         """Build the runner and load the weights onto the device."""
-        self._runner = ModelRunner(self.config, self.device, self.tp, self.attention_backend)
+        pooler = self.config.pooler_config
+        # An encoder (pooling only, no KV cache) has a runner of its own.
+        cls = EncoderRunner if pooler is not None and pooler.encoder else ModelRunner
+        self._runner = cls(self.config, self.device, self.tp, self.attention_backend)
         self._runner.abort_flag = self._abort_flag
         self._runner.load_model()
 
@@ -110,6 +114,12 @@ class Worker:
         if cache.num_gpu_blocks_override is not None:
             return cache.num_gpu_blocks_override
         per_block = self.runner.kv_bytes_per_block  # a draft model's KV included
+        if per_block == 0:
+            # No KV cache (an encoder): the blocks are the scheduler's bookkeeping only,
+            # enough for every sequence at full length.
+            sched = self.config.scheduler_config
+            per_seq = -(-self.config.model_config.max_model_len // cache.block_size)
+            return sched.max_num_seqs * per_seq + 1
         if cache.kv_cache_memory is not None:
             budget = cache.kv_cache_memory
         elif self.device.type == "cuda":

@@ -6,7 +6,10 @@ reads the flags: generation routes answer 503 while draining (or before the engi
 and count themselves in `state.in_flight` until their response has been sent (a stream until
 its last event or its client's disconnect), so the drain can wait on `state.idle`.
 
-Routes: POST /v1/completions, POST /v1/chat/completions, the agents' routes of
+Routes: POST /v1/completions, POST /v1/chat/completions, the pooling routes of
+`ringserve.http.pooling` (POST /v1/embeddings, /pooling, /classify, /score, /rerank and their
+aliases; a server serves either these or the generation routes, and answers the other
+kind with a 400), the agents' routes of
 `ringserve.http.agents` (POST /v1/responses and its GET / DELETE / cancel / input_items,
 POST /v1/messages and /v1/messages/count_tokens), GET /v1/models, GET /health,
 GET /version, GET /metrics, POST /tokenize, POST /detokenize, the control routes of
@@ -57,6 +60,7 @@ from ringserve.http.errors import (
     openai_error_response,
 )
 from ringserve.http.fault_tolerance import FAULT_TOLERANCE_PATHS, FaultTolerance
+from ringserve.http.pooling.routes import pooling_routes
 from ringserve.http.responses import ModelCard, ModelList, json_response
 from ringserve.http.rl_routes import RL_PATHS, RLRoutes
 from ringserve.http.settings import ServerState, ServeSettings
@@ -97,15 +101,19 @@ def render_error(path: str, error: APIError, headers: Mapping[str, str] | None =
 
 
 def _guard(ctx: AppContext, handler: Endpoint, *, generation: bool = False,
+           pooling: bool = False,
            render: ErrorRenderer = openai_error_response) -> Endpoint:
     """Map engine and validation errors to responses (in the shape `render` gives); for
-    generation routes also refuse new work while draining and keep the in-flight count until
-    the response is done."""
+    generation routes (and the pooling routes, `pooling=True`, which count as generation)
+    also refuse a route of the other runner (400), refuse new work while draining and keep
+    the in-flight count until the response is done."""
+    generation = generation or pooling
 
     async def endpoint(request: Request) -> Response:
         handed_off = False
         try:
             if generation:
+                ctx.check_runner(pooling)
                 ctx.check_accepting()
                 ctx.state.enter()
             try:
@@ -183,6 +191,7 @@ def build_app(engine: AsyncLLM, settings: ServeSettings, state: ServerState) -> 
         *Admin(ctx).routes(lambda handler: _guard(ctx, handler)),
         *RLRoutes(ctx).routes(lambda handler: _guard(ctx, handler)),
         *FaultTolerance(ctx).routes(lambda handler: _guard(ctx, handler)),
+        *pooling_routes(ctx, lambda handler: _guard(ctx, handler, pooling=True)),
     ]
     auth = Middleware(AuthMiddleware, api_key=settings.api_key,
                       admin_api_key=settings.admin_api_key, open_paths=OPEN_PATHS,

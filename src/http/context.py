@@ -4,8 +4,9 @@
 with msgspec (a decode error names the path and becomes a 400; `body_limit` makes an
 oversized body a 413), checks the model name (404 when it is none of the served names;
 responses echo the name the request used: `response_model`),
-tokenizes (long texts in a worker thread, as AsyncLLM does) and refuses generation while the
-server drains or before the engine is ready (503).
+tokenizes (long texts in a worker thread, as AsyncLLM does), refuses generation while the
+server drains or before the engine is ready (503), and refuses a route of the other runner
+(400: generation on a pooling server, pooling on a generation one).
 """
 
 from __future__ import annotations
@@ -102,6 +103,22 @@ class AppContext:
         if model is not None and model in self.settings.served_model_names:
             return model
         return self.model_name
+
+    def check_runner(self, pooling: bool) -> None:
+        """Raises APIError 400 when the route's kind is not the engine's runner: a
+        generation route (`pooling=False`) on a pooling server, or a pooling route
+        (embeddings, classification, scores) on a generation server (one runner per server,
+        as vLLM)."""
+        pooler = self.engine.config.pooler_config
+        if pooling and pooler is None:
+            raise APIError(400, f"The model `{self.model_name}` does not support pooling "
+                           "(embeddings, classification, scores): it is a generation model; "
+                           "serve a pooling model with --runner pooling", "model")
+        if not pooling and pooler is not None:
+            raise APIError(400, f"The model `{self.model_name}` is a pooling model "
+                           f"(--runner pooling, --convert {pooler.convert}): it does not "
+                           "generate text; use /v1/embeddings, /pooling, /classify, /score or "
+                           "/rerank", "model")
 
     def check_accepting(self) -> None:
         """Raises APIError 503 while draining, before the engine is ready, once it died, or

@@ -53,12 +53,14 @@ from ringserve.engine.frontend.dp_client import DPLBAsyncMPClient
 from ringserve.engine.frontend.fault_tolerance import FaultStatusReport, check_instruction
 from ringserve.engine.frontend.input_processor import InputProcessor, PromptType
 from ringserve.engine.frontend.output_processor import OutputProcessor
+from ringserve.engine.frontend.pooling import AsyncPoolingMethods
 from ringserve.engine.frontend.rl_api import AsyncRLMethods
 from ringserve.engine.metrics.metrics_reader import Metric
 from ringserve.engine.metrics.stat_loggers import StatLoggerFactory, StatLoggerManager
 from ringserve.engine.metrics.stats import IterationStats
 from ringserve.engine.wire import FAULT_INSTRUCTION_METHOD, EngineCoreRequest
 from ringserve.outputs import RequestOutput
+from ringserve.pooling_params import PoolingParams
 from ringserve.sampling_params import SamplingParams, default_sampling_params
 from ringserve.tokenizer import load_tokenizer
 
@@ -68,7 +70,7 @@ logger = logging.getLogger(__name__)
 _INLINE_TOKENIZE_CHARS = 2048
 
 
-class AsyncLLM(AsyncRLMethods, AsyncElasticDPMethods):
+class AsyncLLM(AsyncRLMethods, AsyncElasticDPMethods, AsyncPoolingMethods):
     """An async engine for serving.
 
     Args:
@@ -88,7 +90,8 @@ class AsyncLLM(AsyncRLMethods, AsyncElasticDPMethods):
         self.tokenizer = load_tokenizer(config)
         self.input_processor = InputProcessor(
             config.model_config, self.tokenizer,
-            config.structured_outputs_config.resolved_backend)
+            config.structured_outputs_config.resolved_backend,
+            pooling=config.pooler_config is not None)
         self.output_processor = OutputProcessor(self.tokenizer)
         if attach is not None:
             self.output_processor.id_prefix = f"f{attach.client_index}."
@@ -306,24 +309,30 @@ class AsyncLLM(AsyncRLMethods, AsyncElasticDPMethods):
 
     async def _process(self, request_id: str, prompt: PromptType, params: SamplingParams,
                        priority: int, data_parallel_rank: int | None,
+                       pooling_params: PoolingParams | None = None,
                        ) -> tuple[EngineCoreRequest, str | None]:
         process = self.input_processor.process
         if isinstance(prompt, str) and len(prompt) > _INLINE_TOKENIZE_CHARS:
             return await trio.to_thread.run_sync(
                 lambda: process(request_id, prompt, params, priority=priority,
-                                data_parallel_rank=data_parallel_rank))
+                                data_parallel_rank=data_parallel_rank,
+                                pooling_params=pooling_params))
         return process(request_id, prompt, params, priority=priority,
-                       data_parallel_rank=data_parallel_rank)
+                       data_parallel_rank=data_parallel_rank, pooling_params=pooling_params)
 
     async def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams,
                           *, priority: int = 0, data_parallel_rank: int | None = None,
-                          ) -> RequestOutputCollector:
+                          pooling_params: PoolingParams | None = None,
+                          collector: Any = None) -> RequestOutputCollector:
         """Validate, admit and send a request; returns its collector.
 
         `request_id` is the caller's: it is echoed in every output but need not be unique.
         Inside, the request (and each child of an n > 1 request) travels under an internal
         id unique to it (`collector.handle`), so no other request's abort or disconnect can
         touch it.
+
+        A pooling request (`pooling_params`, `ringserve.engine.frontend.pooling`) may bring
+        its own `collector`.
 
         Raises:
             TypeError: an argument of the wrong type (naming it).
@@ -333,13 +342,14 @@ class AsyncLLM(AsyncRLMethods, AsyncElasticDPMethods):
         """
         client = self._live_client()
         request, text = await self._process(request_id, prompt, params, priority,
-                                            data_parallel_rank)
+                                            data_parallel_rank, pooling_params)
         client = self._live_client()  # it may have died while tokenizing
         client.check_accepting()
         self.check_admission(params.n, params.n * len(request.prompt_token_ids))
-        collector = RequestOutputCollector(params.output_kind)
-        handle, children = self.output_processor.admit(request, text, queue=collector)
-        collector.handle = handle
+        mailbox: RequestOutputCollector = (RequestOutputCollector(params.output_kind)
+                                           if collector is None else collector)
+        handle, children = self.output_processor.admit(request, text, queue=mailbox)
+        mailbox.handle = handle
         try:
             for child in children:
                 await client.add_request(child)
@@ -349,7 +359,7 @@ class AsyncLLM(AsyncRLMethods, AsyncElasticDPMethods):
             # the ones that did reach a core.
             self._abort_now([handle])
             raise
-        return collector
+        return mailbox
 
     def _live_client(self) -> AsyncMPClient:
         client = self.client

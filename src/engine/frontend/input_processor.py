@@ -13,6 +13,7 @@ from typing import Any, TypedDict
 
 from ringserve.config import ModelConfig
 from ringserve.engine.wire import EngineCoreRequest
+from ringserve.pooling_params import PoolingParams
 from ringserve.prompt_length import check_prompt_length
 from ringserve.sampling_params import (
     INT64_MAX,
@@ -59,13 +60,17 @@ class InputProcessor:
         model_config: the model (vocabulary size, max_model_len, max_logprobs).
         tokenizer: a transformers tokenizer, or None when prompts come as token ids only.
         structured_backend: the grammar backend constraints are checked against.
+        pooling: the engine runs a pooling model (`--runner pooling`): it takes pooling
+            requests only; otherwise generation requests only (one runner per engine, as
+            vLLM).
     """
 
     def __init__(self, model_config: ModelConfig, tokenizer: Any,
-                 structured_backend: str = "xgrammar") -> None:
+                 structured_backend: str = "xgrammar", *, pooling: bool = False) -> None:
         self.model_config = model_config
         self.tokenizer = tokenizer
         self.structured_backend = structured_backend
+        self.pooling = pooling
 
     def process(
         self,
@@ -76,6 +81,7 @@ class InputProcessor:
         arrival_time: float | None = None,
         priority: int = 0,
         data_parallel_rank: int | None = None,
+        pooling_params: PoolingParams | None = None,
     ) -> tuple[EngineCoreRequest, str | None]:
         """Build the core request; returns it with the prompt text (None for token prompts).
 
@@ -88,6 +94,13 @@ class InputProcessor:
         """
         cfg = self.model_config
         _check_request_args(request_id, params, priority, data_parallel_rank)
+        if self.pooling and pooling_params is None:
+            raise ValueError(f"model: {cfg.served_model_name} is a pooling model (embeddings, "
+                             "classification, scores); it does not generate text")
+        if pooling_params is not None and not self.pooling:
+            raise ValueError(f"model: {cfg.served_model_name} generates text; it does not "
+                             "pool (serve an embedding or classification model with "
+                             "--runner pooling)")
         if not INT64_MIN <= priority <= INT64_MAX:
             # It travels as a msgpack int64: a larger one would fail to encode after admission.
             raise ValueError(f"priority: got {priority}, allowed: an integer in [-2**63, 2**63)")
@@ -104,6 +117,7 @@ class InputProcessor:
             priority=priority,
             cache_salt=cache_salt,
             data_parallel_rank=data_parallel_rank,
+            pooling_params=pooling_params,
         )
         return request, text
 

@@ -29,6 +29,7 @@ from ringserve.engine.errors import EngineDeadError
 from ringserve.engine.frontend.fault_tolerance import check_instruction
 from ringserve.engine.frontend.input_processor import PromptType, TokensPrompt
 from ringserve.engine.frontend.llm_engine import LLMEngine
+from ringserve.engine.frontend.llm_pooling import SyncPoolingMethods
 from ringserve.engine.frontend.rl_api import SyncRLMethods
 from ringserve.engine.metrics.metrics_reader import Metric
 from ringserve.engine.wire import FAULT_INSTRUCTION_METHOD
@@ -39,7 +40,7 @@ ChatMessage = dict[str, Any]
 Conversation = list[ChatMessage]
 
 
-class LLM(SyncRLMethods):
+class LLM(SyncRLMethods, SyncPoolingMethods):
     """An offline engine for batch generation.
 
     Args:

@@ -14,7 +14,7 @@ from ringserve.config import EngineConfig
 from ringserve.engine.arg_utils import EngineArgs
 from ringserve.engine.frontend.core_client import EngineCoreClient, InprocClient
 from ringserve.engine.frontend.input_processor import InputProcessor, PromptType
-from ringserve.engine.frontend.output_processor import OutputProcessor
+from ringserve.engine.frontend.output_processor import OutputProcessor, ProcessedOutputs
 from ringserve.engine.metrics.metrics_reader import Metric
 from ringserve.engine.metrics.stat_loggers import StatLoggerManager
 from ringserve.engine.metrics.stats import IterationStats
@@ -54,7 +54,8 @@ class LLMEngine:
         self.tokenizer = load_tokenizer(config)
         self.input_processor = InputProcessor(
             config.model_config, self.tokenizer,
-            config.structured_outputs_config.resolved_backend)
+            config.structured_outputs_config.resolved_backend,
+            pooling=config.pooler_config is not None)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.engine_core = client if client is not None else _make_client(config, executor_class)
         obs = config.observability_config
@@ -114,6 +115,10 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         """Run the core until it produces outputs; returns the RequestOutputs they make."""
+        return self.step_outputs().request_outputs
+
+    def step_outputs(self) -> ProcessedOutputs:
+        """`step`, with the pooling requests' answers too (`ProcessedOutputs`)."""
         outputs = self.engine_core.get_output()
         stat_loggers = self.stat_loggers
         iteration_stats = IterationStats() if stat_loggers is not None else None
@@ -127,7 +132,7 @@ class LLMEngine:
                     self._next_log_time):
                 self._next_log_time = iteration_stats.iteration_timestamp + self._log_interval
                 stat_loggers.log()
-        return processed.request_outputs
+        return processed
 
     def get_metrics(self) -> list[Metric]:
         """A snapshot of this engine's Prometheus series (empty while stats are off)."""

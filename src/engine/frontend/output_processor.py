@@ -21,7 +21,14 @@ from ringserve.engine.frontend.logprobs import LogprobsAccumulator
 from ringserve.engine.frontend.parent_request import ParentRequest
 from ringserve.engine.metrics.stats import IterationStats, RequestStateStats
 from ringserve.engine.wire import EngineCoreOutput, EngineCoreRequest, FinishReason
-from ringserve.outputs import CompletionOutput, RequestMetrics, RequestOutput, WeightVersionSpan
+from ringserve.outputs import (
+    CompletionOutput,
+    PoolingOutput,
+    PoolingRequestOutput,
+    RequestMetrics,
+    RequestOutput,
+    WeightVersionSpan,
+)
 from ringserve.sampling_params import RequestOutputKind
 
 
@@ -64,6 +71,10 @@ class RequestState:
         self.prefilling = True  # until the first token (admission: queued prompt tokens)
         self.weight_versions: list[WeightVersionSpan] = []
         self._sent_prompt_logprobs = False
+        # A pooling request (`ringserve.engine.frontend.pooling`): answered with the pooler's
+        # output, which its last core output carries.
+        self.pooling = request.pooling_params is not None
+        self.pooling_output: Any = None
 
     def apply(self, out: EngineCoreOutput, weight_version: str | None = None) -> list[int]:
         """Fold one core output in (its tokens generated with `weight_version`).
@@ -94,6 +105,8 @@ class RequestState:
             self.metrics.last_token_time = now
             self.metrics.num_generation_tokens += len(new_token_ids)
         self.num_cached_tokens = max(self.num_cached_tokens, out.num_cached_tokens)
+        if out.pooling_output is not None:
+            self.pooling_output = out.pooling_output
         self.logprobs.add_prompt(out.new_prompt_logprobs)
         self.logprobs.add_sampled(out.new_logprobs, num_kept)
         if stop_string is not None:
@@ -161,6 +174,7 @@ class ProcessedOutputs:
 
     request_outputs: list[RequestOutput] = field(default_factory=list)
     reqs_to_abort: list[str] = field(default_factory=list)
+    pooling_outputs: list[PoolingRequestOutput] = field(default_factory=list)
 
 
 class OutputProcessor:
@@ -336,6 +350,21 @@ class OutputProcessor:
                 result.reqs_to_abort.append(out.request_id)
             if new_token_ids:
                 self._end_prefill(state)
+            if state.pooling and state.pooling_output is not None:
+                pooled = PoolingRequestOutput(state.external_id,
+                                              PoolingOutput(state.pooling_output),
+                                              state.prompt_token_ids,
+                                              num_cached_tokens=state.num_cached_tokens)
+                if iteration_stats is not None and state.finish_reason is not None:
+                    iteration_stats.update_from_finished_request(
+                        state.finish_reason, len(state.prompt_token_ids), state.max_tokens_param,
+                        state.n_param, state.stats)
+                self._forget(state)
+                if state.queue is not None:
+                    state.queue.put(pooled)
+                else:
+                    result.pooling_outputs.append(pooled)
+                continue
             request_output = self._make_output(state, new_token_ids)
             if state.finished:
                 if iteration_stats is not None and state.finish_reason is not None:

@@ -20,6 +20,7 @@ from ringserve.engine.wire import (
     EngineCoreRequest,
     FinishReason,
 )
+from ringserve.pooling_params import PoolingParams
 from ringserve.sampling_params import SamplingParams
 
 __all__ = ["Request", "RequestStatus"]
@@ -99,6 +100,8 @@ class Request:
         stop_reason: the stop token id that ended it, if any.
         error: why it finished with FinishReason.ERROR.
         grammar: its structured-output grammar (a `RequestGrammar`), or None.
+        pooling_params: set for a pooling request (`ringserve.gpu.pooling`): it asks for
+            one token that is never sampled, and ends with the pooler's output.
     """
 
     __slots__ = (
@@ -119,6 +122,7 @@ class Request:
         "num_output_placeholders",
         "num_preemptions",
         "num_prompt_tokens",
+        "pooling_params",
         "priority",
         "prompt_token_ids",
         "request_id",
@@ -146,8 +150,10 @@ class Request:
         priority: int = 0,
         cache_salt: str | None = None,
         client_index: int = 0,
+        pooling_params: PoolingParams | None = None,
     ) -> None:
         self.request_id = request_id
+        self.pooling_params = pooling_params
         self.client_index = client_index
         self.prompt_token_ids = prompt_token_ids
         self.all_token_ids = list(prompt_token_ids)
@@ -163,8 +169,14 @@ class Request:
             self.stop_ids = self.eos_ids
         self.wants_logprobs = sp.logprobs is not None
         self.wants_prompt_logprobs = sp.prompt_logprobs is not None
-        # Prompt logprobs need every prompt position computed, so no prefix-cache read.
-        self.skip_prefix_cache_read = self.wants_prompt_logprobs
+        # Prompt logprobs (and per-token pooling) need every prompt position computed, so no
+        # prefix-cache read.
+        self.skip_prefix_cache_read = self.wants_prompt_logprobs or (
+            pooling_params is not None and pooling_params.task.startswith("token_"))
+        if pooling_params is not None:
+            # A pooling request's prompt may fill the whole context: the one token it asks
+            # for (the scheduler's books) is never sampled.
+            self.max_tokens = 1
         self.priority = priority
         self.arrival_time = arrival_time
         self.cache_salt = cache_salt
@@ -198,6 +210,7 @@ class Request:
             priority=request.priority,
             cache_salt=request.cache_salt,
             client_index=request.client_index,
+            pooling_params=request.pooling_params,
         )
 
     @property

@@ -452,6 +452,7 @@ class Scheduler(BooksMixin):
                     req.sampling_params,
                     list(get_blocks(req.request_id)),
                     req.num_computed_tokens,
+                    pooling_params=req.pooling_params,
                 )
             )
             if _advance(req, num_scheduled[req.request_id]) and req.grammar is not None:

@@ -94,6 +94,7 @@ class OutputMixin(ABC):
         last_client = -1
         client_list: list[EngineCoreOutput] = []
         drafted = scheduler_output.spec_token_ids
+        pooled = model_runner_output.pooled
         for request_id, sampled in zip(
             model_runner_output.req_ids, model_runner_output.sampled_token_ids, strict=True
         ):
@@ -124,6 +125,10 @@ class OutputMixin(ABC):
                 new_tokens = sampled
             elif sampled:
                 new_tokens = append_tokens(req, sampled)
+            elif pooled and request_id in pooled:
+                # A pooling request's last chunk: it ends with the pooler's output.
+                req.status = _STOPPED
+                new_tokens = sampled
             elif new_prompt_logprobs is None:
                 continue  # a prefill chunk: nothing to report yet
             else:
@@ -162,6 +167,8 @@ class OutputMixin(ABC):
                     events,
                     req.num_cached_tokens,
                 )
+                if pooled:
+                    out.pooling_output = pooled.get(request_id)
                 self._free_request(req)
             client = req.client_index
             if client != last_client:

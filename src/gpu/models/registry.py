@@ -7,6 +7,7 @@ architecture; an unknown one fails with the list of supported architectures.
 from __future__ import annotations
 
 from ringserve.config import SUPPORTED_ARCHITECTURES
+from ringserve.checkpoint.support import DECODER_BASE_ARCHITECTURES, POOLING_ONLY_ARCHITECTURES
 from ringserve.gpu.models.gemma import (
     Gemma2ForCausalLM,
     Gemma3ForCausalLM,
@@ -35,7 +36,10 @@ MODEL_CLASSES: dict[str, type[LlamaForCausalLM]] = {
     "Qwen2MoeForCausalLM": Qwen2MoeForCausalLM,
     "MixtralForCausalLM": MixtralForCausalLM,
 }
-assert set(MODEL_CLASSES) == set(SUPPORTED_ARCHITECTURES)
+# A decoder saved as its base model (pooling only) runs as its causal-LM class, LM head tied.
+MODEL_CLASSES.update({base: MODEL_CLASSES[causal]
+                      for base, causal in DECODER_BASE_ARCHITECTURES.items()})
+assert set(MODEL_CLASSES) == set(SUPPORTED_ARCHITECTURES) - set(POOLING_ONLY_ARCHITECTURES)
 
 
 def model_class(architecture: str) -> type[LlamaForCausalLM]:

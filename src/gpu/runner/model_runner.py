@@ -34,6 +34,7 @@ from ringserve.gpu.models.llama import LlamaForCausalLM
 from ringserve.gpu.models.moe import MoeForCausalLM
 from ringserve.gpu.moe.layer import FusedMoE
 from ringserve.gpu.native import panel as panel_native
+from ringserve.gpu.pooling.decoder import DecoderPooler
 from ringserve.gpu.runner.decode_capture import DecodeCapture, StepAborted
 from ringserve.gpu.runner.input_prep import StepInputs, prepare_inputs
 from ringserve.gpu.runner.kv_cache import KVCacheSpec, allocate_kv_cache
@@ -116,6 +117,10 @@ class ModelRunner:
         self._dropped_grammar: set[int] = set()
         # Per MoE layer, tokens routed to each expert (`enable_expert_load`); None: not counted.
         self._expert_load: list[torch.Tensor] | None = None
+        # A decoder served for pooling (`ringserve.gpu.pooling.decoder`): its steps are
+        # pooled, never sampled. None: the model generates.
+        pooler = config.pooler_config
+        self.pooler = DecoderPooler(pooler) if pooler is not None and not pooler.encoder else None
 
     def _new_table(self) -> RequestTable:
         config = self.config
@@ -312,6 +317,9 @@ class ModelRunner:
         prompt_logprobs = compute_prompt_logprobs(
             hidden, inputs, self.table, self.model.compute_logits, self.model_config.vocab_size
         )
+        if self.pooler is not None:  # a pooling model: pooled, never sampled
+            return self.pooler.step_output(scheduler_output.step_id, hidden, inputs,
+                                           self.request_errors)
         step = _ForwardDone(scheduler_output.step_id, hidden, inputs, prompt_logprobs, verify,
                             scheduler_output.num_spec_tokens if self.proposer else 0)
         if scheduler_output.grammar_req_ids:
@@ -403,6 +411,8 @@ class ModelRunner:
                       torch.tensor(logit_rows, dtype=torch.int64, device=logits.device))
 
     def _apply_diff(self, so: SchedulerOutput) -> None:
+        if self.pooler is not None:
+            self.pooler.apply_diff(so)
         if self.proposer is not None:
             self.proposer.forget([*so.finished_req_ids, *so.preempted_req_ids,
                                   *(c.req_id for c in so.scheduled_cached_reqs

@@ -56,6 +56,10 @@ def load_model(
     return model.eval()
 
 
+# The tensor names of a decoder's base model when it is saved without its LM head's wrapper.
+_BARE_PREFIXES = ("layers.", "embed_tokens.", "norm.")
+
+
 def _load(model: LlamaForCausalLM, weights: Iterable[tuple[str, torch.Tensor]],
           where: Callable[[], str]) -> None:
     """`model.load_weights`, with errors naming where the offending tensor came from."""
@@ -64,6 +68,9 @@ def _load(model: LlamaForCausalLM, weights: Iterable[tuple[str, torch.Tensor]],
     def named() -> Iterable[tuple[str, torch.Tensor]]:
         for name, tensor in weights:
             current[:] = [name]
+            if name.startswith(_BARE_PREFIXES):
+                # A base model saved on its own (Qwen3-Embedding's `Qwen3Model`): no `model.`.
+                name = "model." + name
             yield name, tensor
         current.clear()  # an error after the last tensor (one missing) names no tensor
 
