@@ -118,7 +118,7 @@ class SyncPoolingMethods:
             ValueError: lists of different lengths, an empty list, or a bad input.
         """
         firsts, seconds = _pair_up(data_1, data_2)
-        truncate = truncation_length(truncate_prompt_tokens, self._pooler().max_input_len)
+        truncate = truncation_length(truncate_prompt_tokens, self._pooler())
         tokenizer = self.llm_engine.get_tokenizer()
         if self._pooler().convert == "classify":
             pairs = tokenize_pairs(tokenizer, firsts, seconds, truncate)
@@ -161,7 +161,7 @@ class SyncPoolingMethods:
 
     def _tokenize(self, prompts: _Prompts, truncate_prompt_tokens: int | None,
                   ) -> list[TokenizedInput]:
-        truncate = truncation_length(truncate_prompt_tokens, self._pooler().max_input_len)
+        truncate = truncation_length(truncate_prompt_tokens, self._pooler())
         items = [prompts] if isinstance(prompts, str | dict) else list(prompts)
         texts = [p for p in items if isinstance(p, str)]
         encoded = iter(tokenize_texts(self.llm_engine.get_tokenizer(), texts, truncate))

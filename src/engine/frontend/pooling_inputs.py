@@ -115,23 +115,27 @@ class InputPlan:
         return combined
 
 
-def truncation_length(truncate_prompt_tokens: int | None, max_input_len: int) -> int | None:
+def truncation_length(truncate_prompt_tokens: int | None, pooler: PoolerConfig) -> int | None:
     """The length inputs are truncated to: None (no truncation), the model's longest input
-    for -1, else the value itself.
+    (`max_input_len`) for -1, else the value itself, which may reach `max_embed_len` (or
+    anything, without one) when chunked processing is on.
 
     Raises:
-        ValueError: a value other than -1 or 1..max_input_len (naming truncate_prompt_tokens).
+        ValueError: a value other than -1 or 1 to the longest input the server takes (naming
+            truncate_prompt_tokens).
     """
     if truncate_prompt_tokens is None:
         return None
+    model_len = pooler.max_input_len
     if truncate_prompt_tokens == -1:
-        return max_input_len
-    if truncate_prompt_tokens < 1:
+        return model_len
+    longest: int | None = model_len if model_len > 0 else None
+    if pooler.enable_chunked_processing:
+        longest = pooler.max_embed_len
+    if truncate_prompt_tokens < 1 or (longest is not None and truncate_prompt_tokens > longest):
+        allowed = f"1 to {longest}" if longest is not None else "1 or more"
         raise ValueError(f"truncate_prompt_tokens: got {truncate_prompt_tokens}, allowed: -1 "
-                         f"(the model's length, {max_input_len}) or 1 to {max_input_len}")
-    if max_input_len > 0 and truncate_prompt_tokens > max_input_len:
-        raise ValueError(f"truncate_prompt_tokens: got {truncate_prompt_tokens}, more than this "
-                         f"model's {max_input_len} tokens; allowed: -1 or 1 to {max_input_len}")
+                         f"(the model's length, {model_len}) or {allowed}")
     return truncate_prompt_tokens
 
 

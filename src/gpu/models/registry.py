@@ -6,8 +6,8 @@ architecture; an unknown one fails with the list of supported architectures.
 
 from __future__ import annotations
 
-from ringserve.config import SUPPORTED_ARCHITECTURES
 from ringserve.checkpoint.support import DECODER_BASE_ARCHITECTURES, POOLING_ONLY_ARCHITECTURES
+from ringserve.config import SUPPORTED_ARCHITECTURES
 from ringserve.gpu.models.gemma import (
     Gemma2ForCausalLM,
     Gemma3ForCausalLM,

@@ -183,7 +183,8 @@ class EncoderRunner(ModelRunner):
         flat = np.fromiter((t for p in prompts for t in p), dtype=np.int64, count=int(starts[-1]))
         input_ids = torch.from_numpy(flat).to(self.device)
         token_types = None
-        if any(p.token_type_start is not None for p in params):
+        if self.encoder.type_vocab_size > 1 and any(p.token_type_start is not None
+                                                     for p in params):
             types = np.zeros(int(starts[-1]), dtype=np.int64)
             for i, p in enumerate(params):
                 if p.token_type_start is not None:

@@ -27,7 +27,7 @@ from ringserve.gpu.pooling.layout import (
     sentence_transformers_max_seq_length,
 )
 
-__all__ = ["RUNNERS", "TASKS", "CONVERTS", "PoolingSettings", "pooling_settings"]
+__all__ = ["CONVERTS", "RUNNERS", "TASKS", "PoolingSettings", "pooling_settings"]
 
 RUNNERS = ("auto", "generate", "pooling")
 CONVERTS = ("auto", "none", "embed", "classify")
@@ -159,4 +159,21 @@ def _max_input_len(model_config: ModelConfig, path: Path,
                              "(the model's positions)")
         return user_max_model_len
     seq = sentence_transformers_max_seq_length(path)
+    if seq is None and (path / "modules.json").is_file():
+        # sentence-transformers >= 6 keeps it as the tokenizer's `model_max_length`.
+        seq = _tokenizer_max_length(path)
     return min(positions, seq) if seq else positions
+
+
+def _tokenizer_max_length(path: Path) -> int | None:
+    """`model_max_length` of the tokenizer config (None: absent, or transformers' "no
+    limit" sentinel)."""
+    import json
+
+    try:
+        value = json.loads((path / "tokenizer_config.json").read_text()).get("model_max_length")
+    except (OSError, ValueError):
+        return None
+    if isinstance(value, int) and not isinstance(value, bool) and 1 <= value < 1 << 30:
+        return value
+    return None

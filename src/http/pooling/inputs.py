@@ -58,7 +58,7 @@ async def token_inputs(ctx: AppContext, inputs: Sequence[str] | Sequence[list[in
             vocabulary (each naming its field).
     """
     pooler = pooler_of(ctx, field)
-    truncate_to = truncation_length(truncate_prompt_tokens, pooler.max_input_len)
+    truncate_to = truncation_length(truncate_prompt_tokens, pooler)
     texts = [x for x in inputs if isinstance(x, str)]
     if texts:
         ids = await _off_loop(sum(len(t) for t in texts), lambda: tokenize_texts(
@@ -79,7 +79,7 @@ async def pair_inputs(ctx: AppContext, firsts: Sequence[str], seconds: Sequence[
         ValueError: a bad `truncate_prompt_tokens`, or a pair with no tokens.
     """
     pooler = pooler_of(ctx, field)
-    truncate_to = truncation_length(truncate_prompt_tokens, pooler.max_input_len)
+    truncate_to = truncation_length(truncate_prompt_tokens, pooler)
     chars = sum(len(t) for t in firsts) + sum(len(t) for t in seconds)
     pairs = await _off_loop(chars, lambda: tokenize_pairs(ctx.tokenizer, firsts, seconds,
                                                           truncate_to))

@@ -48,7 +48,7 @@ def _bert_config(vocab_size: int, **extra: Any) -> Any:
     from transformers import BertConfig
 
     return BertConfig(vocab_size=vocab_size, hidden_size=32, num_hidden_layers=2,
-                      num_attention_heads=4, intermediate_size=64, max_position_embeddings=128,
+                      num_attention_heads=4, intermediate_size=64, max_position_embeddings=512,
                       initializer_range=0.2, **extra)
 
 
@@ -58,7 +58,7 @@ def embedding_model(path: Path, *, max_seq_length: int = 64, seed: int = 0,
     `path`; `matryoshka` goes into config.json's `matryoshka_dimensions`."""
     import torch
     from sentence_transformers import SentenceTransformer
-    from sentence_transformers.models import Normalize, Pooling, Transformer
+    from sentence_transformers.sentence_transformer.modules import Normalize, Pooling, Transformer
     from transformers import BertModel
 
     base = path / "base"
