@@ -11,19 +11,17 @@ import numpy as np
 from starlette.requests import Request
 from starlette.responses import Response
 
-from ringserve.engine.frontend.pooling_inputs import plan_inputs
-from ringserve.http.context import AppContext, request_id_of
+from ringserve.http.context import AppContext
 from ringserve.http.errors import APIError
-from ringserve.http.pooling.inputs import pooler_of, token_inputs
-from ringserve.http.pooling.protocol import ClassificationRequest, inputs_of, parse_body
+from ringserve.http.pooling.inputs import pooler_of
+from ringserve.http.pooling.protocol import ClassificationRequest, parse_body
 from ringserve.http.pooling.responses import (
     ClassificationData,
     ClassificationResponse,
     now,
-    response_id,
     usage_of,
 )
-from ringserve.http.pooling.runner import DISCONNECTED, run_plans
+from ringserve.http.pooling.runner import DISCONNECTED, pool_inputs
 from ringserve.http.responses import json_response
 from ringserve.pooling_params import PoolingParams
 
@@ -45,23 +43,20 @@ class Classification:
                            "(it serves embeddings); /classify needs a classifier "
                            "(a *ForSequenceClassification checkpoint, or --convert classify)",
                            "model")
-        ids = await token_inputs(ctx, inputs_of(req.input), field="input",
-                                 truncate_prompt_tokens=req.truncate_prompt_tokens,
-                                 add_special_tokens=req.add_special_tokens)
         params = PoolingParams(task="classify", activation=req.activation)
-        plans = plan_inputs(ids, params, pooler, field="input")
-        rid = response_id("classify", request_id_of(request, req.request_id))
-        outputs = await run_plans(ctx.engine, plans, rid, priority=req.priority,
-                                  receive=request.receive)
-        if outputs is None:
+        pooled = await pool_inputs(ctx, request, req.input, params, id_prefix="classify",
+                                   given_id=req.request_id, priority=req.priority,
+                                   truncate_prompt_tokens=req.truncate_prompt_tokens,
+                                   add_special_tokens=req.add_special_tokens)
+        if pooled is None:
             return Response(status_code=DISCONNECTED)
         labels = pooler.id2label
         data = []
-        for i, probs in enumerate(outputs):
+        for i, probs in enumerate(pooled.outputs):
             top = int(np.argmax(probs))
             data.append(ClassificationData(
                 index=i, label=labels[top] if top < len(labels) else None,
                 probs=probs.tolist(), num_classes=int(probs.shape[0])))
         return json_response(ClassificationResponse(
-            id=rid, created=now(), model=ctx.response_model(req.model), data=data,
-            usage=usage_of(sum(plan.num_tokens for plan in plans))))
+            id=pooled.request_id, created=now(), model=ctx.response_model(req.model),
+            data=data, usage=usage_of(pooled.prompt_tokens)))

@@ -1,5 +1,8 @@
 """Running one HTTP request's pooling inputs on the engine, all at once.
 
+`pool_inputs` is a route's whole path for an `input` field (tokenize, check, plan, run);
+`run_plans` the running part, which `/score` and `/rerank` call with pairs.
+
 Every engine request of every input (`ringserve.engine.frontend.pooling_inputs.InputPlan`:
 one, or one per chunk) is sent through `AsyncLLM.encode` in its own task of one nursery, so
 the scheduler batches them with each other and with other clients' requests; the answers come
@@ -11,12 +14,25 @@ route maps it to one HTTP error; a client that disconnects cancels them the same
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
 
 import trio
+from starlette.requests import Request
 from starlette.types import Receive
 
 from ringserve.engine.frontend.async_llm import AsyncLLM
-from ringserve.engine.frontend.pooling_inputs import FloatArray, InputPlan, PoolingJob
+from ringserve.engine.frontend.pooling_inputs import (
+    FloatArray,
+    InputPlan,
+    PoolingJob,
+    plan_inputs,
+)
+from ringserve.http.context import AppContext, request_id_of
+from ringserve.http.pooling.inputs import pooler_of, token_inputs
+from ringserve.http.pooling.protocol import inputs_of
+from ringserve.http.pooling.responses import response_id
+from ringserve.pooling_params import PoolingParams
 
 # The status of a response to a client that disconnected (nobody reads it; nginx's 499).
 DISCONNECTED = 499
@@ -91,3 +107,38 @@ async def _watch_disconnect(receive: Receive, left: trio.Event, scope: trio.Canc
         pass
     left.set()
     scope.cancel()
+
+
+@dataclass(frozen=True)
+class Pooled:
+    """A request's answers: its response id, one output per input (in input order) and
+    the prompt tokens they took."""
+
+    request_id: str
+    outputs: list[FloatArray]
+    prompt_tokens: int
+
+
+async def pool_inputs(ctx: AppContext, request: Request, raw: str | list[Any],
+                      params: PoolingParams, *, id_prefix: str, given_id: str | None,
+                      truncate_prompt_tokens: int | None, add_special_tokens: bool = True,
+                      priority: int = 0) -> Pooled | None:
+    """A request's `input` (`raw`, any of its four shapes) pooled with `params`.
+
+    Returns:
+        The answers, or None when the client disconnected.
+
+    Raises:
+        ValueError: a bad input (naming `input`), or as `run_plans`.
+    """
+    pooler = pooler_of(ctx, "pooling")
+    ids = await token_inputs(ctx, inputs_of(raw), field="input",
+                             truncate_prompt_tokens=truncate_prompt_tokens,
+                             add_special_tokens=add_special_tokens)
+    plans = plan_inputs(ids, params, pooler, field="input")
+    rid = response_id(id_prefix, request_id_of(request, given_id))
+    outputs = await run_plans(ctx.engine, plans, rid, priority=priority,
+                              receive=request.receive)
+    if outputs is None:
+        return None
+    return Pooled(rid, outputs, sum(plan.num_tokens for plan in plans))

@@ -17,8 +17,9 @@ from typing import Any
 import numpy as np
 import openai
 import pytest
-from pooling_models import embedding_model, sentence
 from pooling_server import MODEL, PoolingServer, error_of
+
+from ringserve.gpu.pooling.testing import embedding_model, sentence
 
 pytestmark = pytest.mark.slow  # one server for the module (~8 s), the oracle's import
 

@@ -15,8 +15,9 @@ from typing import Any
 import numpy as np
 import pytest
 from http_app_harness import serving
-from pooling_models import embedding_model, sentence
 from pooling_server import PoolingServer, error_of
+
+from ringserve.gpu.pooling.testing import embedding_model, sentence
 
 pytestmark = pytest.mark.slow  # one server for the module (~8 s), transformers' model
 

@@ -14,8 +14,9 @@ from typing import Any
 import numpy as np
 import pytest
 from http_app_harness import serving
-from pooling_models import cross_encoder, sentence
 from pooling_server import MODEL, PoolingServer, error_of
+
+from ringserve.gpu.pooling.testing import cross_encoder, sentence
 
 pytestmark = pytest.mark.slow  # one server for the module (~8 s), the oracle's import
 
@@ -109,7 +110,7 @@ def test_classify_on_a_cross_encoder_and_bad_inputs(server: PoolingServer,
     assert body["id"].startswith("classify-") and body["object"] == "list"
     encoded = oracle.tokenizer([QUERY, DOCS[0]], padding=True, return_tensors="pt")
     with torch.no_grad():  # each text on its own: [CLS] text [SEP]
-        alone = torch.sigmoid(oracle.model(**encoded).logits[:, 0]).numpy()
+        alone = torch.sigmoid(oracle.transformers_model(**encoded).logits[:, 0]).numpy()
     for item, expected in zip(body["data"], alone, strict=True):
         assert item["label"] == "LABEL_0" and item["num_classes"] == 1
         assert item["probs"] == pytest.approx([float(expected)], abs=1e-5)
