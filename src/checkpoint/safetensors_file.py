@@ -121,6 +121,13 @@ def read_header(path: Path) -> list[TensorEntry]:
     return entries
 
 
+def is_index_buffer(entry: TensorEntry) -> bool:
+    """An integer buffer some checkpoints save beside their weights (BERT's
+    `embeddings.position_ids`): the model rebuilds it, so it is skipped, not refused."""
+    return entry.dtype in ("I64", "I32") and entry.name.endswith(
+        ("position_ids", "token_type_ids"))
+
+
 def check_headers(files: list[Path]) -> dict[Path, list[TensorEntry]]:
     """Read and check every file's header (cheap: no tensor data is read).
 
@@ -132,7 +139,7 @@ def check_headers(files: list[Path]) -> dict[Path, list[TensorEntry]]:
     for path in files:
         entries = read_header(path)
         for entry in entries:
-            if entry.dtype not in FLOAT_DTYPES:
+            if entry.dtype not in FLOAT_DTYPES and not is_index_buffer(entry):
                 raise ModelDirectoryError(
                     f"{path}: tensor {entry.name!r} has dtype {entry.dtype}; supported: "
                     f"{', '.join(FLOAT_DTYPES)} (quantized checkpoints are not supported)"
@@ -169,7 +176,8 @@ class TensorReader:
                     staging = torch.empty(need, dtype=torch.uint8)
             with io.FileIO(path, "r") as f:
                 for entry in sorted(entries, key=lambda e: e.start):
-                    yield entry.name, _read_tensor(f, path, entry, staging)
+                    if not is_index_buffer(entry):
+                        yield entry.name, _read_tensor(f, path, entry, staging)
 
     def describe(self) -> str:
         """Where the reader is, for error messages."""

@@ -117,6 +117,21 @@ def test_integer_tensor_is_refused_before_loading(tiny_llama_dir: Path, tmp_path
         ModelConfig.from_model_dir(str(copy))
 
 
+def test_an_integer_position_ids_buffer_is_skipped(tiny_llama_dir: Path,
+                                                   tmp_path: Path) -> None:
+    # BERT checkpoints (all-MiniLM-L6-v2) carry `embeddings.position_ids` as int64: a buffer
+    # the model rebuilds, neither a weight nor a reason to refuse the checkpoint.
+    from ringserve.checkpoint.safetensors_file import TensorReader, checkpoint_files
+
+    copy = _copy(tiny_llama_dir, tmp_path / "m")
+    weights = load_file(str(copy / "model.safetensors"))
+    weights["model.embeddings.position_ids"] = torch.arange(8, dtype=torch.int64)[None]
+    save_file(weights, str(copy / "model.safetensors"))
+    ModelConfig.from_model_dir(str(copy))
+    names = [name for name, _ in TensorReader(checkpoint_files(copy))]
+    assert "model.embeddings.position_ids" not in names and len(names) == len(weights) - 1
+
+
 def test_wrong_shape_names_file_and_tensor(tiny_llama_dir: Path, tmp_path: Path) -> None:
     copy = _copy(tiny_llama_dir, tmp_path / "m")
     weights = load_file(str(copy / "model.safetensors"))
