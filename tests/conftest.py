@@ -65,6 +65,12 @@ LONG = {
     "tests/gpu/spec_decode/test_spec_greedy.py::test_greedy_equal_on_each_family[qwen3moe]":
         "its [llama] case",
     "tests/chaos/test_chaos.py::test_chaos": "test_fault_tolerance.py",
+    "tests/http/pooling/test_http_pooling_chunked.py":
+        "test_pooling_llm.py::test_chunked_processing_is_the_token_weighted_mean_of_the_chunks "
+        "and test_pooling_inputs.py",
+    "tests/http/pooling/test_http_score.py":
+        "test_pooling_llm.py::test_cross_encoder_scores_and_classification and "
+        "test_pooling_protocol.py",
     "tests/shm/test_shm_bench.py::test_short_run_reports_medians_headline_and_spin_cpu":
         "the bench's unit tests",
     "tests/http/test_http_fuzz.py": "the routes' own bad-body tests",

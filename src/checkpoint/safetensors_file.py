@@ -148,6 +148,16 @@ def check_headers(files: list[Path]) -> dict[Path, list[TensorEntry]]:
     return headers
 
 
+def read_named_tensor(files: list[Path], name: str) -> torch.Tensor | None:
+    """One tensor of a checkpoint by its name (None: no file has it), read alone."""
+    for path in files:
+        for entry in read_header(path):
+            if entry.name == name:
+                with io.FileIO(path, "r") as f:
+                    return _read_tensor(f, path, entry)
+    return None
+
+
 class TensorReader:
     """Streams (name, tensor) from safetensors files, one tensor in memory at a time.
 

@@ -32,13 +32,17 @@ POOLING_ONLY_ARCHITECTURES: tuple[str, ...] = (
     "XLMRobertaModel",
     "XLMRobertaForSequenceClassification",
 )
-# Decoders saved as their base model (no LM head; sentence-transformers and Qwen3-Embedding
-# layouts), pooled by the decoder family's own model: served by the pooling runner only.
+# Decoders served by the pooling runner only, each by its family's causal-LM model: saved as
+# their base model (no LM head; sentence-transformers and Qwen3-Embedding layouts), or with a
+# classification head (`score.weight`, `ringserve.gpu.pooling.decoder`).
 DECODER_BASE_ARCHITECTURES: dict[str, str] = {
     "LlamaModel": "LlamaForCausalLM",
     "MistralModel": "MistralForCausalLM",
     "Qwen2Model": "Qwen2ForCausalLM",
     "Qwen3Model": "Qwen3ForCausalLM",
+    "LlamaForSequenceClassification": "LlamaForCausalLM",
+    "Qwen2ForSequenceClassification": "Qwen2ForCausalLM",
+    "Qwen3ForSequenceClassification": "Qwen3ForCausalLM",
 }
 SUPPORTED_ARCHITECTURES += POOLING_ONLY_ARCHITECTURES + tuple(DECODER_BASE_ARCHITECTURES)
 

@@ -18,6 +18,7 @@ from ringserve import LLM
 from ringserve.engine.errors import EngineGenerateError
 from ringserve.gpu.pooling.testing import (
     cross_encoder,
+    decoder_classifier,
     decoder_embedding_model,
     embedding_model,
     sentence,
@@ -175,3 +176,23 @@ def test_cross_encoder_scores_and_classification(root: Path) -> None:
 def test_a_generation_model_does_not_pool() -> None:
     with LLM(None, max_model_len=64) as llm, pytest.raises(ValueError, match="generates text"):
         llm.embed("hello")
+
+
+@pytest.mark.parametrize("num_labels", [1, 3])
+def test_decoder_classifier_matches_transformers(root: Path, num_labels: int) -> None:
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    model = decoder_classifier(root / f"qwen3-cls-{num_labels}", num_labels)
+    texts = [f"is the river {i} deep " * (1 + 2 * i) for i in range(3)]
+    hf = AutoModelForSequenceClassification.from_pretrained(str(model)).eval()
+    tok = AutoTokenizer.from_pretrained(str(model))
+    with torch.no_grad():
+        logits = [hf(**tok(t, return_tensors="pt")).logits[0] for t in texts]
+    act = torch.sigmoid if num_labels == 1 else (lambda x: torch.softmax(x, -1))
+    expected = np.stack([act(x).numpy() for x in logits])
+    with LLM(str(model), max_num_batched_tokens=16, max_num_seqs=4) as llm:
+        got = np.array([o.outputs.probs for o in llm.classify(texts)], dtype=np.float32)
+        np.testing.assert_allclose(got, expected, atol=TOL)
+        if num_labels == 1:
+            scores = [o.outputs.score for o in llm.score(texts[0], texts[1:])]
+            assert len(scores) == 2 and all(0.0 < x < 1.0 for x in scores)

@@ -8,18 +8,22 @@ prefix cache. The runner hands each step's final-norm hidden states here instead
 (the first row for CLS, a running sum for MEAN, every row for per-token outputs, nothing for
 LAST) and returns the finished requests' outputs once their last prompt token was computed.
 A request that is preempted starts again from its first token, so its partial state is dropped
-(`forget`).
+(`forget`). A `*ForSequenceClassification` checkpoint's head (`score.weight`) reads the last
+token's hidden state (`load_head`), as transformers' classifiers do.
 """
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
-from ringserve.config import PoolerConfig
-from ringserve.gpu.pooling.pooler import finish_embedding
+from ringserve.checkpoint.safetensors_file import checkpoint_files, read_named_tensor
+from ringserve.config import ModelConfig, PoolerConfig
+from ringserve.errors import ModelDirectoryError
+from ringserve.gpu.pooling.pooler import activate, finish_embedding
 from ringserve.gpu.runner.input_prep import StepInputs
 from ringserve.gpu.wire import ModelRunnerOutput, SchedulerOutput
 from ringserve.pooling_params import PoolingParams
@@ -36,6 +40,8 @@ class DecoderPooler:
 
     def __init__(self, config: PoolerConfig) -> None:
         self.config = config
+        # A classifier's head (`score.weight`, [num_labels, hidden]; `load_head`).
+        self.head: torch.Tensor | None = None
         self.params: dict[str, PoolingParams] = {}
         self._first: dict[str, torch.Tensor] = {}  # CLS: the first token's row
         self._sum: dict[str, torch.Tensor] = {}  # MEAN: the rows' running sum
@@ -46,6 +52,22 @@ class DecoderPooler:
         """Start pooling a request the worker sees for the first time."""
         self.params[req_id] = params
         self._drop_state(req_id)
+
+    def load_head(self, model_config: ModelConfig, device: torch.device) -> None:
+        """Read a `*ForSequenceClassification` checkpoint's head (`score.weight`), which the
+        model's own loader leaves out; nothing for an embedding model.
+
+        Raises:
+            ModelDirectoryError: a classifier checkpoint without `score.weight`.
+        """
+        if self.config.convert != "classify":
+            return
+        files = checkpoint_files(Path(model_config.weights))
+        head = read_named_tensor(files, "score.weight")
+        if head is None:
+            raise ModelDirectoryError(f"{model_config.weights}: a classifier checkpoint "
+                                      "without its head tensor 'score.weight'")
+        self.head = head.to(device=device, dtype=torch.float32)
 
     def apply_diff(self, so: SchedulerOutput) -> None:
         """Follow a step's diff: new requests start, finished ones go, preempted and resumed
@@ -113,9 +135,13 @@ class DecoderPooler:
             task = params.task
             if task == "token_embed":
                 self._rows.setdefault(req_id, []).append(rows.float().clone())
+            elif task in ("classify", "score"):
+                if self.head is None:
+                    errors[req_id] = (f"{task}: this decoder model has no classification head "
+                                      "(it is an embedding model)")
+                    continue
             elif task != "embed":
-                errors[req_id] = (f"{task}: this decoder model has no classification head "
-                                  "(it is an embedding model)")
+                errors[req_id] = f"{task}: not supported by a decoder pooling model"
                 continue
             elif pooling_type == "CLS":
                 if int(positions[start]) == 0:
@@ -137,6 +163,13 @@ class DecoderPooler:
 
     def _finish(self, req_id: str, params: PoolingParams,
                 last_rows: torch.Tensor) -> np.ndarray[Any, Any]:
+        if params.task in ("classify", "score"):
+            assert self.head is not None
+            # The classifier reads the last token (transformers' *ForSequenceClassification).
+            logits = last_rows[-1:].float() @ self.head.T
+            if params.activation is not False:
+                logits = activate(logits)
+            return logits[0].cpu().numpy()
         normalize = self.config.normalize if params.normalize is None else params.normalize
         if params.task == "token_embed":
             rows = torch.cat(self._rows.get(req_id, []), dim=0)

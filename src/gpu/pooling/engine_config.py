@@ -115,9 +115,10 @@ def pooling_settings(model_config: ModelConfig, *, runner: str, convert: str, ta
     pooler = dataclasses.replace(pooler, max_input_len=longest)
     model_config = dataclasses.replace(model_config, max_model_len=longest + 1)
     if not pooler.encoder:
-        if pooler.convert == "classify":
-            raise ValueError(f"convert: classify needs a classification head; {arch} is served "
-                             "for embeddings only in this version (use --convert embed)")
+        if pooler.convert == "classify" and not arch.endswith("ForSequenceClassification"):
+            raise ValueError(f"convert: classify needs a classification head; {arch} has none "
+                             "(allowed: embed; a decoder classifier is a "
+                             "*ForSequenceClassification checkpoint)")
         # A decoder embedder's LM head is never used: tied to the embeddings, the checkpoint
         # need not carry one (Qwen3-Embedding's does not).
         model_config = dataclasses.replace(

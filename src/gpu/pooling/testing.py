@@ -115,3 +115,26 @@ def decoder_embedding_model(path: Path, pooling_mode: str = "lasttoken", *,
         modules.append(Normalize())
     SentenceTransformer(modules=modules, device="cpu").save(str(path))
     return path
+
+
+def decoder_classifier(path: Path, num_labels: int = 1) -> Path:
+    """A `Qwen3ForSequenceClassification` over the tiny Qwen3's weights and tokenizer, with a
+    random head of `num_labels` labels, in `path`."""
+    import torch
+    from transformers import AutoConfig, AutoTokenizer, Qwen3ForSequenceClassification
+
+    from ringserve.gpu.testing import tiny_model
+
+    base = tiny_model("qwen3")
+    config = AutoConfig.from_pretrained(str(base), num_labels=num_labels)
+    config.architectures = ["Qwen3ForSequenceClassification"]
+    tokenizer = AutoTokenizer.from_pretrained(str(base))
+    if config.pad_token_id is None:
+        config.pad_token_id = tokenizer.pad_token_id or tokenizer.eos_token_id
+    torch.manual_seed(num_labels)
+    model = Qwen3ForSequenceClassification(config).eval()
+    with torch.no_grad():
+        model.score.weight.normal_(0.0, 0.5)
+    model.save_pretrained(str(path))
+    tokenizer.save_pretrained(str(path))
+    return path

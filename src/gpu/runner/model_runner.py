@@ -152,6 +152,8 @@ class ModelRunner:
             config = dataclasses.replace(config, load_format="safetensors",
                                          weights_path=weights_path)
         self._model = load_model(config, tp=self.tp, device=self.device, backend=self.backend)
+        if self.pooler is not None:
+            self.pooler.load_head(config, self.device)
         self._attach_expert_load()  # a reload keeps counting into the same tensors
         if self.proposer is None:
             self.proposer = make_proposer(self.config, self.device, self.tp, self.backend)

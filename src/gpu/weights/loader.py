@@ -51,11 +51,15 @@ def load_model(
         _load(model, iterate_gguf_weights(path, config.hf_config), lambda: str(path))
     else:
         reader = TensorReader(checkpoint_files(Path(config.weights)), reuse_buffer=True)
-        _load(model, reader, reader.describe)
+        skip = _HEAD_TENSORS if config.architecture.endswith("ForSequenceClassification") else ()
+        _load(model, ((n, t) for n, t in reader if n not in skip), reader.describe)
     model.process_weights_after_loading()
     return model.eval()
 
 
+# A decoder classifier's head (`*ForSequenceClassification`): read by the pooler
+# (`ringserve.gpu.pooling.decoder`), not by the model.
+_HEAD_TENSORS = ("score.weight",)
 # The tensor names of a decoder's base model when it is saved without its LM head's wrapper.
 _BARE_PREFIXES = ("layers.", "embed_tokens.", "norm.")
 
