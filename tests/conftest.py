@@ -65,6 +65,8 @@ LONG = {
     "tests/gpu/spec_decode/test_spec_greedy.py::test_greedy_equal_on_each_family[qwen3moe]":
         "its [llama] case",
     "tests/chaos/test_chaos.py::test_chaos": "test_fault_tolerance.py",
+    "tests/engine/test_step_hold.py::test_keep_pauses_skip_queued_steps_and_tokens_match[uni]":
+        "its [mp] case (the same pauses over the multiprocess executor)",
     "tests/http/pooling/test_http_pooling_chunked.py":
         "test_pooling_llm.py::test_chunked_processing_is_the_token_weighted_mean_of_the_chunks "
         "and test_pooling_inputs.py",

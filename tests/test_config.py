@@ -99,7 +99,7 @@ def test_unsupported_architecture_lists_supported(tiny_llama_dir: Path, tmp_path
     copy = tmp_path / "m"
     shutil.copytree(tiny_llama_dir, copy)
     cfg = json.loads((copy / "config.json").read_text())
-    cfg["architectures"] = ["LlamaForSequenceClassification"]
+    cfg["architectures"] = ["LlamaForTokenClassification"]
     (copy / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ModelDirectoryError, match="not supported; supported: LlamaForCausalLM"):
         ModelConfig.from_model_dir(str(copy))

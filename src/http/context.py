@@ -66,7 +66,11 @@ class AppContext:
 
     def __post_init__(self) -> None:
         self.tokenizer = self.engine.get_tokenizer()
-        self.max_model_len = self.engine.config.model_config.max_model_len
+        pooler = self.engine.config.pooler_config
+        # A pooling model's length is its longest input (the engine's context holds one more
+        # slot, for the token a pooling request books and never samples).
+        self.max_model_len = (pooler.max_input_len if pooler is not None
+                              else self.engine.config.model_config.max_model_len)
 
     @property
     def model_name(self) -> str:

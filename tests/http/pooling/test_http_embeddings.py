@@ -239,3 +239,10 @@ def test_generation_routes_say_this_is_a_pooling_model(server: PoolingServer) ->
     assert messages.status_code == 400, messages.text
     assert "is a pooling model" in messages.text
     assert server.http.get("/health").status_code == 200
+
+
+def test_models_and_tokenize_report_the_longest_input(server: PoolingServer) -> None:
+    # The engine's context holds one slot more than the longest input (the token a pooling
+    # request books and never samples); users see the model's length.
+    card = server.http.get("/v1/models").json()["data"][0]
+    assert card["max_model_len"] == 512
