@@ -223,18 +223,22 @@ def _apply_config_file(serve: argparse.ArgumentParser, path: str) -> None:
 
 
 def exit_status(exc: BaseException) -> int:
-    """1 for a model directory or file problem, 2 for any other user mistake.
+    """1 for a model directory or file problem and for an engine that failed to start, 2 for
+    a user mistake (a flag or setting that cannot work).
 
-    A `ModelDirectoryError` raised in an engine core (the weights loader runs there) reaches
-    the frontend as an `EngineStartupError` whose message holds the core's error in the
-    wire form `Type: message` (`ringserve.engine.core.faults.describe`).
+    An engine core's error reaches the frontend as an `EngineStartupError` whose message holds
+    it in the wire form `Type: message` (`ringserve.engine.core.faults.describe`): a
+    `ValueError` there is a setting that cannot work (a KV cache too small for one block, a
+    tensor-parallel split the model does not divide into): 2; anything else (the loader's
+    `ModelDirectoryError`, a crash, a core that exited or never answered): 1.
     """
     from ringserve.engine.errors import EngineStartupError
 
     if isinstance(exc, ModelDirectoryError):
         return 1
-    if isinstance(exc, EngineStartupError) and f"{ModelDirectoryError.__name__}: " in str(exc):
-        return 1
+    if isinstance(exc, EngineStartupError):
+        return 2 if f"{ValueError.__name__}: " in str(exc) and (
+            f"{ModelDirectoryError.__name__}: " not in str(exc)) else 1
     return 2
 
 

@@ -256,7 +256,14 @@ def test_exit_status_split() -> None:
     assert exit_status(ModelDirectoryError("/m: config.json is missing")) == 1
     assert exit_status(EngineStartupError(  # the loader's error, from an engine core
         "engine core failed to start: ModelDirectoryError: /m/model.safetensors: truncated")) == 1
-    assert exit_status(EngineStartupError("engine core failed to start: RuntimeError: x")) == 2
+    # An engine that failed to start for another reason is not a user mistake: 1 (issue 45).
+    assert exit_status(EngineStartupError("engine core failed to start: RuntimeError: x")) == 1
+    assert exit_status(EngineStartupError("engine core 0 exited with signal 9 before its "
+                                          "handshake")) == 1
+    # A setting the core found cannot work is the user's mistake: 2.
+    assert exit_status(EngineStartupError(
+        "engine core failed to start: ValueError: the KV cache gets 10 bytes but one block "
+        "needs 4096")) == 2
     assert exit_status(ValueError("--port: got 70000")) == 2
     assert exit_status(OSError("cannot listen on 127.0.0.1:8000")) == 2
 
