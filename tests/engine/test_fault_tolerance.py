@@ -194,6 +194,10 @@ async def test_killed_core_is_restarted(tiny_llama_dir: Path) -> None:
             assert "being restarted" in (status.fault_info or ""), status
             with pytest.raises(EngineRecoveringError, match="recovering"):
                 await greedy_tokens(llm)
+        if 0 in llm.client.restarting:
+            # A retry while a core is being restarted goes to the other cores (none here): the
+            # restarting one comes back by itself, so the instruction does not fail (issue 45).
+            await llm.apply_fault_instruction("retry")
         await wait_status(llm, "healthy", timeout=60)
         assert llm.is_running and llm.is_healthy and llm.client.restarts == [1]
         assert llm.client.processes[0].pid != old_core

@@ -270,21 +270,28 @@ class AsyncMPClient(CoreWatch):
                     queued.append(item)
         return queued
 
-    async def call_utility(self, method: str, *args: Any) -> list[Any]:
+    async def call_utility(self, method: str, *args: Any,
+                           skip_restarting: bool = False) -> list[Any]:
         """Call a utility on every core; results in core order.
+
+        Args:
+            skip_restarting: leave out the cores being restarted (their process died and
+                they come back by themselves) instead of raising EngineRecoveringError.
 
         Raises:
             ValueError: a core reported the call failed.
             EngineDeadError: the engine died meanwhile.
+            EngineRecoveringError: a core is being restarted (unless skipped).
         """
         call_id = next(self._call_ids)
         event, results = trio.Event(), list[Any]()
         self._calls[call_id] = (event, results)
-        engines = self.num_engines  # elastic scaling may change it meanwhile
+        targets = [engine for engine in range(self.num_engines)  # elastic scaling may change it
+                   if not (skip_restarting and engine in self.restarting)]
         try:
-            for engine in range(engines):
+            for engine in targets:
                 await self.send(engine, UtilityCall(call_id, method, list(args)))
-            while len(results) < engines:
+            while len(results) < len(targets):
                 await event.wait()
                 event = trio.Event()
                 self._calls[call_id] = (event, results)

@@ -131,10 +131,11 @@ class AsyncLLM(AsyncRLMethods, AsyncElasticDPMethods, AsyncPoolingMethods):
             self.client = await DPLBAsyncMPClient.create(self.config, self._executor)
         obs = self.config.observability_config
         if not obs.disable_log_stats:
-            self.stat_loggers = StatLoggerManager(
-                self.config, list(range(self.config.parallel_config.data_parallel_size)),
-                custom_factories=self._stat_logger_factories)
-            self.stat_loggers.log_engine_initialized()
+            engines = list(range(self.config.parallel_config.data_parallel_size))
+            self.stat_loggers = StatLoggerManager(self.config, engines,
+                                                  custom_factories=self._stat_logger_factories)
+            # Every core is sized from the same config; vLLM reports the sum over them.
+            self.stat_loggers.log_engine_initialized(self.client.num_blocks * len(engines))
         try:
             with trio.CancelScope() as self._stop:
                 async with trio.open_nursery() as nursery:
@@ -458,7 +459,10 @@ class AsyncLLM(AsyncRLMethods, AsyncElasticDPMethods, AsyncPoolingMethods):
         rid = ft_request_id or f"ft-{uuid.uuid4().hex}"
         client = self._live_client()
         try:
-            await client.call_utility(FAULT_INSTRUCTION_METHOD, instruction, rid)
+            # A core being restarted (its process died) comes back healthy by itself: a retry
+            # goes to the others.
+            await client.call_utility(FAULT_INSTRUCTION_METHOD, instruction, rid,
+                                      skip_restarting=instruction == "retry")
         except EngineDeadError:
             if instruction != "abort":
                 raise
