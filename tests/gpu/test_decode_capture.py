@@ -189,3 +189,41 @@ def test_a_raised_abort_flag_ends_the_step_and_its_rerun_is_unchanged() -> None:
     assert got[0] == want[0]
     for rid, logprobs in want[1].items():
         np.testing.assert_array_equal(got[1][rid], logprobs)
+
+
+def test_a_raised_abort_flag_ends_an_eager_step_between_layers() -> None:
+    """An eager step (prefill chunks, mixed batches) ends at the next layer too when the
+    step-hold byte is up (issue 45, item 5): the runner answers it as skipped, and the step run
+    again over the KV the ended one half wrote gives unchanged tokens and logprobs."""
+    from ringserve.gpu.runner.decode_capture import StepAborted, abort_check
+
+    model = tiny_model("llama")
+    want = _mix(_runner(model, enforce_eager=True))
+    runner = _runner(model, enforce_eager=True)
+    stack = runner.model.model
+    forward = runner.model.forward
+    up = ctypes.c_ubyte(1)
+    ended = []
+
+    def ending(*args):  # type: ignore[no-untyped-def]
+        stack.between_layers = abort_check(ctypes.addressof(up))
+        with pytest.raises(StepAborted):
+            forward(*args)
+        ended.append(1)
+        stack.between_layers = None
+        return forward(*args)
+
+    runner.model.forward = ending  # type: ignore[method-assign]
+    got = _mix(runner)
+    assert len(ended) > 5
+    assert got[0] == want[0]
+    for rid, logprobs in want[1].items():
+        np.testing.assert_array_equal(got[1][rid], logprobs)
+
+    # Through the runner: with the flag up, a prefill step is answered as skipped.
+    runner = _runner(model, enforce_eager=True)
+    runner.abort_flag = ctypes.addressof(up)
+    sched = ToyScheduler(runner, budget=48)
+    sched.add("p", list(range(3, 40)), SamplingParams(temperature=0.0, max_tokens=2), 2)
+    out = sched.step()
+    assert out.skipped and out.req_ids == ["p"]

@@ -19,10 +19,10 @@ in flight at that moment comes back, run or skipped, before another one is sent;
 that skipped one therefore never runs a step scheduled after it. The flag comes down once
 none is in flight, before the pause itself is applied.
 
-The captured decode step also reads the flag between its layers (`HoldFlag.address`): a
-step already running when the pause comes ends at the next layer and is answered as skipped
-too (the KV it wrote for its positions is rewritten when it runs again). Eager steps
-(prefills, mixed batches) run to their end.
+The captured decode step also reads the flag between its layers (`HoldFlag.address`), and so
+does an eager step (prefill chunks, mixed batches: `decode_capture.abort_check` between the
+model's layers): a step already running when the pause comes ends at the next layer and is
+answered as skipped too (the KV it wrote for its positions is rewritten when it runs again).
 
 Only where one worker decides alone: a single TP rank (ranks would read the flag at different
 moments and disagree; their forwards meet in collectives) and no lockstep data parallelism

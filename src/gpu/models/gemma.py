@@ -210,6 +210,7 @@ class GemmaModel(nn.Module):
             for kind in spec.layer_types
         )
         self.norm = GemmaRMSNorm(spec.hidden_size, spec.rms_norm_eps, spec.dtype)
+        self.between_layers: Callable[[], None] | None = None  # as LlamaModel's
 
     def _rotary_for(self, layer_type: str) -> RotaryEmbedding:
         if layer_type == SLIDING and self.rotary_local is not None:
@@ -220,8 +221,11 @@ class GemmaModel(nn.Module):
                 kv_caches: list[torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
         """Final hidden states [T, hidden] for a flat batch of tokens."""
         hidden = self.embed_tokens.forward(input_ids) * self.embed_scale
-        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+        between = self.between_layers
+        for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
             assert isinstance(layer, GemmaDecoderLayer)
+            if between is not None and i:
+                between()
             hidden = layer.forward(positions, hidden, kv_cache, meta)
         return self.norm.forward(hidden)
 

@@ -180,6 +180,9 @@ class LlamaModel(nn.Module):
             for i in range(spec.num_layers)
         )
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, spec.dtype)
+        # Run between layers of an eager forward (the model runner's pause check:
+        # `ringserve.gpu.runner.decode_capture.abort_check`); None: nothing.
+        self.between_layers: Callable[[], None] | None = None
 
     def forward(
         self,
@@ -188,10 +191,14 @@ class LlamaModel(nn.Module):
         kv_caches: list[torch.Tensor],
         meta: AttentionMetadata,
     ) -> torch.Tensor:
-        """Final hidden states [T, hidden] for a flat batch of tokens."""
+        """Final hidden states [T, hidden] for a flat batch of tokens (`between_layers`, when
+        set, runs before every layer after the first and may raise to end the step)."""
         hidden = self.embed_tokens.forward(input_ids)
-        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+        between = self.between_layers
+        for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
             assert isinstance(layer, LlamaDecoderLayer)
+            if between is not None and i:
+                between()
             hidden = layer.forward(positions, hidden, kv_cache, meta)
         return self.norm.forward(hidden)
 
@@ -201,6 +208,7 @@ class DecoderStack(Protocol):
     such as Gemma's): the token embedding, which a tied LM head shares, and the forward."""
 
     embed_tokens: VocabParallelEmbedding
+    between_layers: Callable[[], None] | None
 
     def forward(
         self,

@@ -27,6 +27,7 @@ from __future__ import annotations
 import ctypes
 import dataclasses
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -82,6 +83,19 @@ class _RsStep(ctypes.Structure):
 class StepAborted(Exception):
     """The step stopped between two layers: its abort flag was raised (a pause came,
     `ringserve.gpu.executor.step_hold`); nothing was sampled and the step is taken back."""
+
+
+def abort_check(flag: int) -> Callable[[], None]:
+    """What an eager forward runs between layers (`LlamaModel.between_layers`): raises
+    `StepAborted` once the byte at address `flag` (the step-hold flag) is nonzero, so an eager
+    step (a long prefill chunk) ends at the next layer as the captured one does."""
+    byte = ctypes.c_ubyte.from_address(flag)
+
+    def check() -> None:
+        if byte.value:
+            raise StepAborted("the eager step was ended by its abort flag")
+
+    return check
 
 
 @dataclass(frozen=True)

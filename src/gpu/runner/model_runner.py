@@ -35,7 +35,7 @@ from ringserve.gpu.models.moe import MoeForCausalLM
 from ringserve.gpu.moe.layer import FusedMoE
 from ringserve.gpu.native import panel as panel_native
 from ringserve.gpu.pooling.decoder import DecoderPooler
-from ringserve.gpu.runner.decode_capture import DecodeCapture, StepAborted
+from ringserve.gpu.runner.decode_capture import DecodeCapture, StepAborted, abort_check
 from ringserve.gpu.runner.input_prep import StepInputs, prepare_inputs
 from ringserve.gpu.runner.kv_cache import KVCacheSpec, allocate_kv_cache
 from ringserve.gpu.runner.request_state import RequestTable
@@ -314,8 +314,14 @@ class ModelRunner:
             except StepAborted:  # a pause came mid-step: taken back like a skipped step
                 return self._skipped(scheduler_output)
         else:
-            hidden = self.model.forward(inputs.input_ids, inputs.positions, self.kv_caches,
-                                        inputs.meta)
+            # Where a pause may end a step (`abort_flag`), it ends an eager one between layers.
+            self.model.model.between_layers = (abort_check(self.abort_flag) if self.abort_flag
+                                               else None)
+            try:
+                hidden = self.model.forward(inputs.input_ids, inputs.positions, self.kv_caches,
+                                            inputs.meta)
+            except StepAborted:
+                return self._skipped(scheduler_output)
         prompt_logprobs = compute_prompt_logprobs(
             hidden, inputs, self.table, self.model.compute_logits, self.model_config.vocab_size
         )
