@@ -2,7 +2,7 @@
 
 Public API (more arrives as the engine is built; see README.md for what exists today):
 `LLM`, `LLMEngine`, `AsyncLLM`, `SamplingParams`, `RequestOutputKind`, `RequestOutput`, `CompletionOutput`,
-`EngineArgs`, `StructuredOutputsParams`.
+`EngineArgs`, `StructuredOutputsParams`, `LoRARequest`, `PoolingParams`.
 Importing `ringserve` imports neither torch nor transformers.
 """
 
@@ -10,6 +10,7 @@ from ringserve.engine.arg_utils import EngineArgs
 from ringserve.engine.frontend.async_llm import AsyncLLM
 from ringserve.engine.frontend.llm import LLM
 from ringserve.engine.frontend.llm_engine import LLMEngine
+from ringserve.lora_request import LoRARequest
 from ringserve.outputs import (
     CompletionOutput,
     Logprob,
@@ -17,6 +18,7 @@ from ringserve.outputs import (
     RequestOutput,
     WeightVersionSpan,
 )
+from ringserve.pooling_params import PoolingParams
 from ringserve.sampling_params import (
     RequestOutputKind,
     SamplingParams,
@@ -32,7 +34,9 @@ __all__ = [
     "CompletionOutput",
     "EngineArgs",
     "LLMEngine",
+    "LoRARequest",
     "Logprob",
+    "PoolingParams",
     "RequestMetrics",
     "RequestOutput",
     "RequestOutputKind",

@@ -456,6 +456,22 @@ class PoolerConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class LoRAConfig:
+    """Multi-LoRA serving (`--enable-lora`; `ringserve.gpu.lora`).
+
+    Attributes:
+        max_loras: adapters one step may hold (the workers' slots).
+        max_lora_rank: the largest rank an adapter may have.
+        max_cpu_loras: adapters kept read in each worker's memory (least recently used
+            evicted; an evicted one is read again from its files when needed).
+    """
+
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int = 1
+
+
+@dataclass(frozen=True, slots=True)
 class EngineConfig:
     """The whole configuration of one engine, passed from the edge to every layer."""
 
@@ -477,3 +493,5 @@ class EngineConfig:
     speculative_config: SpecDecodeConfig | None = None
     # The pooling runner (`--runner pooling`; None: the model generates text).
     pooler_config: PoolerConfig | None = None
+    # Multi-LoRA serving (`--enable-lora`; None: off).
+    lora_config: LoRAConfig | None = None

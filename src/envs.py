@@ -1,5 +1,5 @@
-"""Every environment variable ringserve reads, typed, in one place (prefixed RINGSERVE_; one
-vLLM name, VLLM_API_KEY, is honoured so vLLM deployments keep working).
+"""Every environment variable ringserve reads, typed, in one place (prefixed RINGSERVE_; two
+vLLM names, VLLM_API_KEY and VLLM_ALLOW_RUNTIME_LORA_UPDATING, are honoured so vLLM deployments keep working).
 
 | variable | default | meaning |
 | --- | --- | --- |
@@ -13,10 +13,12 @@ vLLM name, VLLM_API_KEY, is honoured so vLLM deployments keep working).
 | RINGSERVE_EXECUTOR_RING_BYTES | 16777216 | data bytes of each mp-executor ring (a power of two) |
 | RINGSERVE_RAY_PLACEMENT_STRATEGY | PACK | the ray executor's placement of TP workers: PACK, SPREAD, STRICT_PACK, STRICT_SPREAD |
 | RINGSERVE_RAY_TMPDIR | (a fresh temp dir) | Ray's temp dir when the ray executor starts Ray itself |
-| RINGSERVE_API_KEY | (unset: open) | `ringserve serve`'s API key when `--api-key` is not given |
+| RINGSERVE_API_KEY | (unset: open) | `ringserve serve`'s API key(s), comma-separated, when `--api-key` is not given |
 | VLLM_API_KEY | (unset) | the same, as vLLM names it; RINGSERVE_API_KEY wins when both are set |
 | RINGSERVE_CLUSTER_SECRET | (unset) | the shared secret that authenticates links between hosts |
 | RINGSERVE_CLUSTER_SECRET_FILE | (unset) | a file holding it (`--cluster-secret-file` sets this for child processes) |
+| RINGSERVE_ALLOW_RUNTIME_LORA_UPDATING | 0 | `/v1/load_lora_adapter` and `/v1/unload_lora_adapter` are served |
+| VLLM_ALLOW_RUNTIME_LORA_UPDATING | 0 | the same, as vLLM names it |
 | RINGSERVE_NULL_STEP_MS | (unset) | benchmarks only: `ringserve serve` runs a null model taking this long per step |
 """
 
@@ -53,6 +55,12 @@ def _number(name: str, default: float, *, minimum: float) -> float:
 def ringserve_home() -> Path:
     """RINGSERVE_HOME, else ~/.cache/ringserve."""
     return Path(os.environ.get("RINGSERVE_HOME") or Path.home() / ".cache" / "ringserve")
+
+
+def allow_runtime_lora_updating() -> bool:
+    """RINGSERVE_ALLOW_RUNTIME_LORA_UPDATING or vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING (off)."""
+    return (_bool("RINGSERVE_ALLOW_RUNTIME_LORA_UPDATING", False)
+            or _bool("VLLM_ALLOW_RUNTIME_LORA_UPDATING", False))
 
 
 def enable_multiprocessing() -> bool:
@@ -125,13 +133,23 @@ def ray_tmpdir() -> Path | None:
     return Path(raw) if raw else None
 
 
+def api_key_variable() -> str | None:
+    """The variable `api_key` reads: RINGSERVE_API_KEY if it is set and not empty, else
+    VLLM_API_KEY if that is; None when neither is."""
+    for name in ("RINGSERVE_API_KEY", "VLLM_API_KEY"):
+        if os.environ.get(name):
+            return name
+    return None
+
+
 def api_key() -> str | None:
-    """RINGSERVE_API_KEY, else VLLM_API_KEY: the key every `/v1` route requires when
-    `--api-key` is not given.
+    """RINGSERVE_API_KEY, else VLLM_API_KEY: the key (or comma-separated keys) the `/v1`
+    routes require when `--api-key` is not given.
 
     Both unset or empty: the server is open (as vLLM with no `--api-key`).
     """
-    return os.environ.get("RINGSERVE_API_KEY") or os.environ.get("VLLM_API_KEY") or None
+    name = api_key_variable()
+    return None if name is None else os.environ[name]
 
 
 def cluster_secret() -> bytes | None:

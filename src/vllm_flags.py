@@ -96,15 +96,10 @@ NO_EFFECT: tuple[NoEffect, ...] = (
 _SPECULATIVE_CONFIG = ("vLLM replaced it with --speculative-config; use --speculative-config "
                        "'{\"method\": \"draft_model\", \"model\": DRAFT, "
                        "\"num_speculative_tokens\": 4}'")
-_NO_LORA = "LoRA adapters are not implemented"
 
 REFUSED: tuple[Refused, ...] = (
     Refused(("--speculative-model",), _SPECULATIVE_CONFIG),
     Refused(("--num-speculative-tokens",), _SPECULATIVE_CONFIG),
-    Refused(("--enable-lora",), _NO_LORA, takes_value=False),
-    Refused(("--lora-modules",), _NO_LORA),
-    Refused(("--max-lora-rank",), _NO_LORA),
-    Refused(("--max-loras",), _NO_LORA),
     Refused(("--hf-overrides",), "overriding the model's config is not implemented (edit "
             "config.json instead)"),
     Refused(("--rope-scaling",), "RoPE scaling overrides are not implemented"),

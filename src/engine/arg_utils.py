@@ -27,6 +27,7 @@ from ringserve.config import (
     ExecutorBackend,
     FaultToleranceConfig,
     FrontendConfig,
+    LoRAConfig,
     ModelConfig,
     ObservabilityConfig,
     ParallelConfig,
@@ -57,6 +58,11 @@ __all__ = ["DEMO_MODEL", "EngineArgs", "human_readable_int", "human_readable_int
 DEMO_MODEL = "ringserve-demo"
 
 logger = logging.getLogger(__name__)
+
+# The dense decoder families an adapter may target (`ringserve.gpu.lora`).
+_LORA_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
+                       "Qwen3ForCausalLM", "Phi3ForCausalLM")
+
 
 @dataclass
 class EngineArgs:
@@ -121,6 +127,12 @@ class EngineArgs:
     convert: str = "auto"
     task: str | None = None
     pooler_config: str | dict[str, Any] | None = None
+    # Multi-LoRA serving (`ringserve.gpu.lora`; vLLM's flags).
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
+    lora_dtype: str = "auto"
 
     # -- CLI -------------------------------------------------------------------------------
 
@@ -232,12 +244,51 @@ class EngineArgs:
             weight_transfer_timeout_s=self._weight_transfer_timeout(),
             speculative_config=speculative_config,
         )
+        lora = self._lora_config(config)
+        if lora is not None:
+            logger.info("LoRA on (up to %d adapters per step, rank <= %d): steps with adapter "
+                        "rows run eagerly (the captured decode step serves base-only steps)",
+                        lora.max_loras, lora.max_lora_rank)
+            config = dataclasses.replace(config, lora_config=lora)
         if pooling is None:
             return config
         return dataclasses.replace(
             config, pooler_config=pooling.pooler,
             cache_config=pooling.cache_config(config.cache_config),
             scheduler_config=pooling.scheduler_config(config.scheduler_config))
+
+    def _lora_config(self, config: EngineConfig) -> LoRAConfig | None:
+        """`--enable-lora` and its limits, checked against the rest of the engine.
+
+        Raises:
+            ValueError: a limit out of range, or LoRA beside something it cannot run with in
+                this version (naming both).
+        """
+        if not self.enable_lora:
+            return None
+        _require("max_loras", self.max_loras,
+                 lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 1, ">= 1")
+        _require("max_lora_rank", self.max_lora_rank,
+                 lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 1, ">= 1")
+        cpu = self.max_cpu_loras if self.max_cpu_loras is not None else self.max_loras
+        if cpu < self.max_loras:
+            raise _fail("max_cpu_loras", cpu, f">= max_loras ({self.max_loras})")
+        if self.lora_dtype not in ("auto", "float32", "float", "bfloat16", "float16", "half"):
+            raise _fail("lora_dtype", self.lora_dtype, "auto, float32, bfloat16, float16")
+        for other, value in (("speculative_config", config.speculative_config),
+                             ("runner pooling", config.pooler_config)):
+            if value is not None:
+                raise ValueError(f"enable_lora: LoRA with {other} is not supported in this "
+                                 "version (drop one of them)")
+        if config.parallel_config.tensor_parallel_size != 1:
+            raise ValueError("enable_lora: LoRA runs with tensor_parallel_size 1 in this "
+                             "version")
+        if config.model_config.architecture not in _LORA_ARCHITECTURES:
+            raise ValueError(f"enable_lora: {config.model_config.architecture} takes no "
+                             f"adapters in this version (allowed: "
+                             f"{', '.join(_LORA_ARCHITECTURES)})")
+        return LoRAConfig(max_loras=self.max_loras, max_lora_rank=self.max_lora_rank,
+                          max_cpu_loras=cpu)
 
     def _pooling_settings(self, model_config: ModelConfig) -> PoolingSettings | None:
         """The pooling runner's settings (`ringserve.gpu.pooling.engine_config`), or None

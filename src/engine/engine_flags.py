@@ -150,6 +150,12 @@ FLAG_SPECS: tuple[FlagSpec, ...] = (
     FlagSpec("pooler_config", "the pooler, as JSON: {\"pooling_type\": \"CLS\" | \"MEAN\" | "
               "\"LAST\", \"normalize\": bool, \"enable_chunked_processing\": bool, "
               "\"max_embed_len\": int} (default: the model's sentence-transformers files)", str),
+    FlagSpec("enable_lora", "serve LoRA adapters (ringserve.gpu.lora; steps run eagerly "
+              "while it is on)", boolean=True),
+    FlagSpec("max_loras", "adapters one step may hold", int),
+    FlagSpec("max_lora_rank", "the largest adapter rank", int),
+    FlagSpec("max_cpu_loras", "adapters kept read in memory (default: --max-loras)", int),
+    FlagSpec("lora_dtype", "the adapters' dtype (on CPU they compute in float32)", str),
     FlagSpec("override_generation_config", "JSON object over the generation config, e.g. "
               "'{\"temperature\": 0.5}'", str),
 )

@@ -15,6 +15,7 @@ import msgspec
 import numpy as np
 
 from ringserve.gpu.wire import Logprobs
+from ringserve.lora_request import LoRARequest
 from ringserve.pooling_params import PoolingParams
 from ringserve.sampling_params import SamplingParams
 
@@ -98,6 +99,8 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=
     client_index: int = 0
     # Appended fields (array_like: order is the wire format; only append at the end).
     pooling_params: PoolingParams | None = None
+    # The LoRA adapter the request runs under (`--enable-lora`; None: the base model).
+    lora_request: LoRARequest | None = None
 
 
 class AddRequest(msgspec.Struct, tag="add", array_like=True, gc=False):

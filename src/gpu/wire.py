@@ -17,6 +17,7 @@ from typing import Any
 import msgspec
 import numpy as np
 
+from ringserve.lora_request import LoRARequest
 from ringserve.pooling_params import PoolingParams
 from ringserve.sampling_params import SamplingParams
 
@@ -49,6 +50,8 @@ class NewRequestData(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
     # A pooling request (`ringserve.gpu.pooling`): pooled after its last prompt token, never
     # sampled.
     pooling_params: PoolingParams | None = None
+    # The LoRA adapter it runs under (`ringserve.gpu.lora`; None: the base model).
+    lora_request: LoRARequest | None = None
 
 
 class CachedRequestData(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):

@@ -229,6 +229,11 @@ class Worker:
                 "sleep_level": self._sleep_level, "decode_capture": runner.capture is not None,
                 "decode_capture_reason": runner.capture_reason}
 
+    def remove_lora(self, identity: str) -> None:
+        """Drop an unloaded LoRA adapter (`LoRAManager.remove`); nothing when LoRA is off."""
+        if self.runner.lora is not None:
+            self.runner.lora.remove(identity)
+
     def get_expert_load(self) -> list[list[int]]:
         """Tokens routed to each expert since serving started, per MoE layer (in layer
         order) and expert, with --enable-expert-load-metrics; empty on ranks other than 0

@@ -41,6 +41,7 @@ from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 import ringserve
+from ringserve import envs
 from ringserve.engine.frontend.async_llm import AsyncLLM
 from ringserve.engine.metrics.prometheus import prefixed_registry
 from ringserve.http.admin import ADMIN_PATHS, Admin
@@ -60,6 +61,7 @@ from ringserve.http.errors import (
     openai_error_response,
 )
 from ringserve.http.fault_tolerance import FAULT_TOLERANCE_PATHS, FaultTolerance
+from ringserve.http.lora_routes import LORA_PATHS, LoRARoutes
 from ringserve.http.pooling.routes import pooling_routes
 from ringserve.http.responses import ModelCard, ModelList, json_response
 from ringserve.http.rl_routes import RL_PATHS, RLRoutes
@@ -150,6 +152,10 @@ def build_app(engine: AsyncLLM, settings: ServeSettings, state: ServerState) -> 
         cards = [ModelCard(id=name, created=ctx.created, root=ctx.model_name,
                            max_model_len=ctx.max_model_len)
                  for name in settings.served_model_names]
+        # LoRA adapters: root is the adapter's path, parent the base model (vLLM's cards).
+        cards += [ModelCard(id=lora.lora_name, created=ctx.created, root=lora.lora_path,
+                            parent=ctx.model_name, max_model_len=ctx.max_model_len)
+                  for lora in ctx.lora_modules.values()]
         return json_response(ModelList(data=cards))
 
     async def health(request: Request) -> Response:
@@ -193,10 +199,12 @@ def build_app(engine: AsyncLLM, settings: ServeSettings, state: ServerState) -> 
         *FaultTolerance(ctx).routes(lambda handler: _guard(ctx, handler)),
         *pooling_routes(ctx, lambda handler: _guard(ctx, handler, pooling=True)),
     ]
-    auth = Middleware(AuthMiddleware, api_key=settings.api_key,
+    if envs.allow_runtime_lora_updating():
+        routes += LoRARoutes(ctx).routes(lambda handler: _guard(ctx, handler))
+    auth = Middleware(AuthMiddleware, api_keys=settings.api_keys,
                       admin_api_key=settings.admin_api_key, open_paths=OPEN_PATHS,
                       admin_paths=(*ADMIN_PATHS, *RL_PATHS, *FAULT_TOLERANCE_PATHS),
-                      render=render_error)
+                      render=render_error, admin_if_set_paths=LORA_PATHS)
     limit = Middleware(BodyLimitMiddleware, limit=settings.max_request_body_bytes,
                        render=render_error)
     cors = Middleware(CORSMiddleware, allow_origins=settings.allowed_origins,

@@ -70,7 +70,8 @@ class Chat:
         config = ctx.engine.config
         job = make_job(f"chatcmpl-{request_id_of(request, req.request_id)}",
                        {"prompt_token_ids": token_ids, "prompt": text},
-                       chat_params(req, tools, config.model_config), req, config.model_config)
+                       chat_params(req, tools, config.model_config), req, config.model_config,
+                       ctx.lora_for(req.model))
         check_admission(ctx.engine, [job])
         plan = ChatOutputPlan(config.structured_outputs_config.reasoning_parser, tools, text)
         echo = ""

@@ -22,7 +22,12 @@ from pathlib import Path
 from ringserve import envs
 from ringserve.config import EngineConfig
 from ringserve.engine.flag_values import parse_bytes
-from ringserve.http.settings import DEFAULT_MAX_REQUEST_BODY_BYTES, ServeSettings
+from ringserve.http.lora_modules import parse_lora_modules
+from ringserve.http.settings import (
+    DEFAULT_MAX_REQUEST_BODY_BYTES,
+    ServeSettings,
+    split_api_keys,
+)
 from ringserve.http.tool_parsers import TOOL_PARSERS, check_tool_parser
 
 _DEFAULTS = ServeSettings()
@@ -41,9 +46,15 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--port", type=int, default=_DEFAULTS.port,
                        help="TCP port to listen on; 0 picks a free one "
                             f"(default: {_DEFAULTS.port})")
-    group.add_argument("--api-key", default=None,
-                       help="key every /v1 route requires as 'Authorization: Bearer KEY' "
-                            "(default: $RINGSERVE_API_KEY, else open)")
+    group.add_argument("--api-key", nargs="+", default=None, metavar="KEY",
+                       help="keys the /v1 routes accept as 'Authorization: Bearer KEY' or "
+                            "'x-api-key: KEY'; several as separate values (as vLLM) or "
+                            "comma-separated, any one authorizes (default: "
+                            "$RINGSERVE_API_KEY, else $VLLM_API_KEY, else open)")
+    group.add_argument("--lora-modules", nargs="+", default=None, metavar="ADAPTER",
+                       help="LoRA adapters served by name (needs --enable-lora): name=path, or "
+                            '\'{"name": ..., "path": ..., "base_model_name": ...}\'; a '
+                            "request selects one with its model field")
     group.add_argument("--admin-api-key", default=None,
                        help="key the control routes (/sleep, /wake_up, /pause, /resume, "
                             "/reset_prefix_cache, the weight-update and RL routes, "
@@ -147,6 +158,7 @@ def check_serve_args(ns: argparse.Namespace) -> None:
         raise ValueError(f"--responses-store-ttl: got {ns.responses_store_ttl}, allowed: "
                          "seconds > 0")
     root_path(ns.root_path)
+    api_key(ns)
     if hasattr(ns, "api_server_count"):  # the scale-out flags are there (`ringserve serve`)
         from ringserve.http.cluster_args import check_cluster_args
 
@@ -154,6 +166,26 @@ def check_serve_args(ns: argparse.Namespace) -> None:
     if not _METRICS_PREFIX.fullmatch(ns.metrics_prefix):
         raise ValueError(f"--metrics-prefix: got {ns.metrics_prefix!r}, allowed: a Prometheus "
                          "name (letters, digits, _; not starting with a digit), e.g. vllm")
+
+
+def api_key(ns: argparse.Namespace) -> str | None:
+    """The API keys as one comma-separated list: `--api-key`'s values, else the environment's
+    (`envs.api_key`); None: the API routes are open.
+
+    Raises:
+        ValueError: an empty key in the list (the message names `--api-key`, or the variable
+            the keys came from; never a key).
+    """
+    given = ns.api_key
+    if given is not None:
+        text, source = ",".join([given] if isinstance(given, str) else given), "--api-key"
+    else:
+        variable = envs.api_key_variable()
+        if variable is None:
+            return None
+        text, source = envs.api_key() or "", f"--api-key (from ${variable})"
+    split_api_keys(text, source)
+    return text
 
 
 def root_path(value: str | None) -> str:
@@ -193,7 +225,7 @@ def settings_from_args(ns: argparse.Namespace, engine_config: EngineConfig) -> S
         port=ns.port,
         served_model_name=names[0],
         served_model_aliases=names[1:],
-        api_key=ns.api_key if ns.api_key is not None else envs.api_key(),
+        api_key=api_key(ns),
         admin_api_key=ns.admin_api_key or None,
         chat_template=resolve_chat_template(ns.chat_template),
         max_request_body_bytes=ns.max_request_body_bytes,
@@ -213,6 +245,8 @@ def settings_from_args(ns: argparse.Namespace, engine_config: EngineConfig) -> S
         enable_prompt_tokens_details=ns.enable_prompt_tokens_details,
         responses_store_max_entries=ns.responses_store_max_entries,
         responses_store_ttl=ns.responses_store_ttl,
+        lora_modules=parse_lora_modules(getattr(ns, "lora_modules", None),
+                                        engine_config.lora_config, names),
     )
 
 

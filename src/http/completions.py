@@ -19,7 +19,7 @@ from starlette.responses import Response
 from ringserve.engine.frontend.input_processor import TokensPrompt
 from ringserve.http.context import AppContext, request_id_of
 from ringserve.http.errors import bad_request
-from ringserve.http.generation import Job, check_admission, make_job, run_jobs
+from ringserve.http.generation import Job, check_admission, check_constraint, make_job, run_jobs
 from ringserve.http.logprobs import append_completion_logprobs, prompt_logprobs
 from ringserve.http.protocol import CompletionRequest, prompts_of
 from ringserve.http.responses import (
@@ -74,6 +74,9 @@ class Completions:
         jobs = await self._jobs(req, base_id)
         check_admission(ctx.engine, jobs)
         if req.stream:
+            # A constraint the backend refuses is a 400, not an error event (as on chat).
+            check_constraint(jobs[0].params, ctx.engine.config.structured_outputs_config
+                             .resolved_backend)
             return SSEResponse(lambda emit: self._stream(req, base_id, jobs, emit))
         return await self._full(request, req, base_id, jobs)
 
@@ -92,7 +95,7 @@ class Completions:
             else:
                 tokens = {"prompt_token_ids": prompt}
             jobs.append(make_job(f"{base_id}-{i}", tokens, params, req,
-                                 ctx.engine.config.model_config))
+                                 ctx.engine.config.model_config, ctx.lora_for(req.model)))
         return jobs
 
     def _cached(self, cached_tokens: int) -> int | None:

@@ -25,6 +25,7 @@ from starlette.responses import Response
 from ringserve.engine.frontend.async_llm import AsyncLLM
 from ringserve.http.errors import APIError, bad_request, error_from_exception
 from ringserve.http.settings import ServerState, ServeSettings
+from ringserve.lora_request import LoRARequest
 
 T = TypeVar("T")
 
@@ -62,10 +63,13 @@ class AppContext:
     state: ServerState
     tokenizer: Any = field(init=False)
     max_model_len: int = field(init=False)
+    # LoRA adapters by name (`--lora-modules`, and those loaded at run time).
+    lora_modules: dict[str, LoRARequest] = field(init=False)
     created: int = field(default_factory=lambda: int(time.time()))
 
     def __post_init__(self) -> None:
         self.tokenizer = self.engine.get_tokenizer()
+        self.lora_modules = {m.lora_name: m for m in self.settings.lora_modules}
         pooler = self.engine.config.pooler_config
         # A pooling model's length is its longest input (the engine's context holds one more
         # slot, for the token a pooling request books and never samples).
@@ -98,15 +102,23 @@ class AppContext:
             raise bad_request(TOO_DEEP) from None
 
     def check_model(self, model: str | None) -> None:
-        """Raises APIError 404 unless `model` is one of the served names (or omitted)."""
-        if model is not None and model not in self.settings.served_model_names:
+        """Raises APIError 404 unless `model` is one of the served names, a LoRA adapter's
+        name (`--lora-modules`, or loaded at run time), or omitted."""
+        if (model is not None and model not in self.settings.served_model_names
+                and model not in self.lora_modules):
             raise APIError(404, f"The model `{model}` does not exist.", "model")
 
     def response_model(self, model: str | None) -> str:
-        """The `model` a response carries: the served name the request used, else the first."""
-        if model is not None and model in self.settings.served_model_names:
+        """The `model` a response carries: the served name or adapter name the request used,
+        else the first served name."""
+        if model is not None and (model in self.settings.served_model_names
+                                  or model in self.lora_modules):
             return model
         return self.model_name
+
+    def lora_for(self, model: str | None) -> LoRARequest | None:
+        """The adapter a request's `model` selects (None: the base model)."""
+        return self.lora_modules.get(model) if model is not None else None
 
     def check_runner(self, pooling: bool) -> None:
         """Raises APIError 400 when the route's kind is not the engine's runner: a

@@ -39,9 +39,10 @@ _TYPES = {
     503: "ServiceUnavailableError",
 }
 
-# "SamplingParams.temperature: got ..." names the field; so does msgspec's "- at `$.n`".
+# "SamplingParams.temperature: got ..." names the field; so does msgspec's "- at `$.n`", and a
+# leading field or dotted path ("prompt: ...", "structured_outputs.json: ...").
 _SAMPLING_FIELD = re.compile(r"^SamplingParams\.(\w+):")
-_LEADING_FIELD = re.compile(r"^(\w+):")
+_LEADING_FIELD = re.compile(r"^(\w+(?:\.\w+)*):")
 _MSGSPEC_PATH = re.compile(r"at `\$\.?([^`]*)`")
 _MISSING_FIELD = re.compile(r"missing required field `(\w+)`")
 

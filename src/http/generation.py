@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from typing import Any
 
 import trio
 from starlette.types import Receive
@@ -25,6 +26,7 @@ from ringserve.engine.structured.validation import check_structured_outputs
 from ringserve.http.errors import bad_request
 from ringserve.http.protocol import SamplingRequest
 from ringserve.http.sampling import resolve_max_tokens
+from ringserve.lora_request import LoRARequest
 from ringserve.outputs import RequestOutput
 from ringserve.sampling_params import SamplingParams
 
@@ -39,6 +41,7 @@ class Job:
     prompt: TokensPrompt
     params: SamplingParams
     priority: int = 0
+    lora_request: LoRARequest | None = None  # the adapter the request's `model` names
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -47,7 +50,8 @@ class Job:
 
 
 def make_job(request_id: str, prompt: TokensPrompt, params: SamplingParams,
-             req: SamplingRequest, model_config: ModelConfig) -> Job:
+             req: SamplingRequest, model_config: ModelConfig,
+             lora_request: LoRARequest | None = None) -> Job:
     """A job for one tokenized prompt: the request's cache salt and priority, and its
     `max_tokens` resolved against the context length. The prompt is checked here (not only
     in the engine), so a stream's bad prompt is a 400 rather than an error chunk.
@@ -73,7 +77,7 @@ def make_job(request_id: str, prompt: TokensPrompt, params: SamplingParams,
                                                                               max_tokens)))
     if max_tokens != requested:
         params = params.clone(max_tokens=max_tokens)
-    return Job(request_id, prompt, params, req.priority)
+    return Job(request_id, prompt, params, req.priority, lora_request)
 
 
 def check_constraint(params: SamplingParams, backend: str) -> None:
@@ -103,8 +107,12 @@ async def _pump(engine: AsyncLLM, index: int, job: Job,
                 send: trio.MemorySendChannel[tuple[int, RequestOutput | Exception]]) -> None:
     async with send:
         try:
+            # The adapter is passed only when there is one (engines without LoRA, and the
+            # tests' scripted engines, take no such argument).
+            extra: dict[str, Any] = ({} if job.lora_request is None
+                                     else {"lora_request": job.lora_request})
             async for output in engine.generate(job.prompt, job.params, job.request_id,
-                                                priority=job.priority):
+                                                priority=job.priority, **extra):
                 await send.send((index, output))
         except Exception as exc:  # handed to the consumer, which raises it
             await send.send((index, exc))

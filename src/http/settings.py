@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 
 import trio
 
+from ringserve.lora_request import LoRARequest
+
 DEFAULT_MAX_REQUEST_BODY_BYTES = 16 << 20
 
 
@@ -26,7 +28,9 @@ class ServeSettings:
         served_model_name: the model name clients send and `/v1/models` lists (the first of
             vLLM's `--served-model-name` list; metrics use it).
         served_model_aliases: the other names of that list, served the same way.
-        api_key: required as `Authorization: Bearer <key>` on every `/v1` route (None: open).
+        api_key: the keys every `/v1` route accepts (as `Authorization: Bearer <key>` or
+            `x-api-key: <key>`), one key or several separated by commas; any one of them
+            authorizes a request (None: open). An empty item is refused (`api_keys`).
         admin_api_key: required on the control routes (/sleep, /wake_up, /pause, /resume,
             /reset_prefix_cache, the weight-update and RL routes of `ringserve.http.rl_routes`,
             /fault_tolerance/*); None: those routes are refused (403).
@@ -48,6 +52,7 @@ class ServeSettings:
         responses_store_max_entries: the most responses `/v1/responses` keeps (least
             recently used evicted first).
         responses_store_ttl: seconds a stored response is kept after its last use.
+        lora_modules: the LoRA adapters served by name (`--lora-modules`).
     """
 
     host: str = "127.0.0.1"
@@ -74,11 +79,41 @@ class ServeSettings:
     enable_prompt_tokens_details: bool = False
     responses_store_max_entries: int = 1000
     responses_store_ttl: float = 3600.0
+    lora_modules: tuple[LoRARequest, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.api_key is not None:
+            split_api_keys(self.api_key, "api_key")
+
+    @property
+    def api_keys(self) -> tuple[str, ...]:
+        """The keys of `api_key`, in order (empty: the API routes are open)."""
+        return () if self.api_key is None else split_api_keys(self.api_key, "api_key")
 
     @property
     def served_model_names(self) -> tuple[str, ...]:
         """Every name a request may use, the primary one first."""
         return (self.served_model_name, *self.served_model_aliases)
+
+
+def split_api_keys(text: str, source: str) -> tuple[str, ...]:
+    """The keys of a comma-separated key list (`--api-key a,b`), each stripped of the
+    whitespace around it (a header cannot carry it, so such a key could never match).
+
+    Args:
+        text: the list as given.
+        source: where it came from, for the error (`--api-key`, an environment variable).
+
+    Raises:
+        ValueError: an item is empty (`"a,,b"`, `"a,"`, `""`): it would let an empty key in.
+            The message names `source` and the item's position, never a key.
+    """
+    items = [item.strip() for item in text.split(",")]
+    for at, item in enumerate(items, start=1):
+        if not item:
+            raise ValueError(f"{source}: item {at} of {len(items)} is an empty key; allowed: "
+                             "one or more non-empty keys separated by commas")
+    return tuple(items)
 
 
 @dataclass

@@ -3,7 +3,9 @@ core SIGSTOPped, its pipe filled to zmq's high-water mark) is queued, never drop
 out in order before the core's next message or as soon as the pipe has room; the core then
 frees the request's blocks. Null model; requests of 60000 tokens (~3 s on an idle machine).
 The sync test pauses its core (mode "keep") once its requests run, so they can end only by an
-abort, however slowly a loaded machine drains the pipe."""
+abort, however slowly a loaded machine drains the pipe. The single-core tests run null-model
+steps of SLOW_STEP_MS (`slow_steps`), so their requests cannot finish before that pause (or,
+in the async test, before the SIGSTOP) either."""
 
 from __future__ import annotations
 
@@ -28,6 +30,9 @@ from ringserve.engine.wire import AbortRequests, EngineCoreRequest
 
 LONG = SamplingParams(max_tokens=60000, ignore_eos=True, output_kind=RequestOutputKind.DELTA)
 FILLER = AbortRequests([])  # the core ignores it
+# Null-model step time of the single-core tests (RINGSERVE_NULL_STEP_MS): 60000 steps of it
+# take 20 minutes.
+SLOW_STEP_MS = 20
 
 
 @pytest.fixture(scope="module")
@@ -80,6 +85,24 @@ async def _afill(sock: zmq.Socket[Any], send_one: Callable[[], bool]) -> int:
 
 
 @pytest.fixture
+def slow_steps(monkeypatch: pytest.MonkeyPatch) -> str:
+    """The executor to start a core with so that each of its steps takes SLOW_STEP_MS (the
+    default executor becomes the null model with that step time).
+
+    The race this closes: a core steps its requests from the moment they arrive, and nothing
+    stops it until the test's pause (or SIGSTOP) reaches it. At full null-model speed 60000
+    tokens take ~3 s, so a test process descheduled for that long in between (a loaded CI
+    machine) found its requests finished: the sync test's keeper gone before the victim's
+    abort was even queued, (0, 0) running instead of (2, 0), no blocks held. At SLOW_STEP_MS
+    they need 20 minutes, far past any stall and any test timeout, while the few steps before
+    the pause cost well under a second. `ignore_eos` (in LONG) rules out an early stop, and
+    the null model's made-up tokens are never a stop token, so only that count ends them.
+    """
+    monkeypatch.setenv("RINGSERVE_NULL_STEP_MS", str(SLOW_STEP_MS))
+    return "default"
+
+
+@pytest.fixture
 def stopped() -> Iterator[list[int]]:
     """Pids the test SIGSTOPs; resumed whatever happens, so shutdown can stop them."""
     pids: list[int] = []
@@ -91,8 +114,10 @@ def stopped() -> Iterator[list[int]]:
 
 @pytest.mark.slow
 def test_sync_abort_into_a_full_pipe_is_queued_then_sent(long_model_dir: Path,
-                                                         stopped: list[int]) -> None:
-    client = SyncMPClient(_args(long_model_dir).create_engine_config(), executor="null")
+                                                         stopped: list[int],
+                                                         slow_steps: str) -> None:
+    # Slow steps: the keeper (and the victim) cannot finish before the pause below.
+    client = SyncMPClient(_args(long_model_dir).create_engine_config(), executor=slow_steps)
     try:
         client.add_request(_request("victim"))
         client.add_request(_request("keeper"))
@@ -133,10 +158,13 @@ def test_sync_abort_into_a_full_pipe_is_queued_then_sent(long_model_dir: Path,
 
 @pytest.mark.slow
 async def test_queued_abort_goes_out_before_the_next_message(long_model_dir: Path,
-                                                             stopped: list[int]) -> None:
+                                                             stopped: list[int],
+                                                             slow_steps: str) -> None:
     """No pump task runs (no `watch_cores`): the queued abort goes out, first, with the next
-    message to its core, so the core has freed the blocks when it answers that message."""
-    client = await AsyncMPClient.create(_args(long_model_dir).create_engine_config(), "null")
+    message to its core, so the core has freed the blocks when it answers that message. Slow
+    steps: the victim cannot finish before the SIGSTOP."""
+    client = await AsyncMPClient.create(_args(long_model_dir).create_engine_config(),
+                                        slow_steps)
     try:
         async with trio.open_nursery() as nursery:
             nursery.start_soon(_read_outputs, client)  # utility answers arrive there

@@ -103,6 +103,9 @@ BAD_CONSTRAINTS: list[tuple[dict[str, Any], str]] = [
     ({"structured_outputs": {"choice": []}}, "structured_outputs.choice"),
     ({"structured_outputs": {"regex": "a", "whitespace_pattern": " "}}, "structured_outputs"),
     ({"structured_outputs": {"regex": 5}}, "structured_outputs.regex"),
+    # xgrammar would enforce it as anyOf: 1 matches both branches (issue 45 item 6)
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "n", "schema": {
+        "oneOf": [{"type": "integer"}, {"type": "number"}]}}}}, "structured_outputs.json"),
 ]
 
 

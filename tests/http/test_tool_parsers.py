@@ -53,6 +53,19 @@ CASES: list[tuple[str, str, str | None, list[tuple[str, Any]]]] = [
      '"{\\"id\\": 7}"}]', "Let me look.", [("lookup", {"id": 7})]),
     ("mistral", "No calls [here], TOOL_CALLS is just text.",
      "No calls [here], TOOL_CALLS is just text.", []),
+    # Mistral, tokenizer v11+ (Mistral Small 3.1+, Devstral): [TOOL_CALLS]name[ARGS]{...},
+    # one marker per call, optionally with the model's [CALL_ID], [ARGS] absent when the
+    # text was decoded without special tokens.
+    ("mistral", '[TOOL_CALLS]get_current_weather[ARGS]{"location": "San Francisco, CA", '
+     '"unit": "celsius"}', None, [("get_current_weather", WEATHER)]),
+    ("mistral", 'Sure. [TOOL_CALLS]get_time[ARGS]{"tz": "Europe/Paris"}[TOOL_CALLS]search'
+     '[ARGS]{"query": "a [b] {c} [ARGS] café", "filters": [1, {"k": null}]}', "Sure.",
+     [("get_time", {"tz": "Europe/Paris"}),
+      ("search", {"query": "a [b] {c} [ARGS] café", "filters": [1, {"k": None}]})]),
+    ("mistral", '[TOOL_CALLS]get_time[CALL_ID]a1B2c3D4e[ARGS] {"tz": "UTC"}\n'
+     "[TOOL_CALLS]ping[ARGS]", None, [("get_time", {"tz": "UTC"}), ("ping", {})]),
+    ("mistral", '[TOOL_CALLS]add{"a": 1, "b": 2}[TOOL_CALLS]sub{"a": 3}', None,
+     [("add", {"a": 1, "b": 2}), ("sub", {"a": 3})]),
 ]
 
 
@@ -90,7 +103,7 @@ def check_stream(make: Any, text: str, want: Result, *, markers: tuple[str, ...]
 
 
 MARKERS = {"hermes": ("<tool_call>", "</tool_call>"), "llama3_json": (),
-           "mistral": ("[TOOL_CALLS]",)}
+           "mistral": ("[TOOL_CALLS]", "[ARGS]", "[CALL_ID]")}
 
 
 @pytest.mark.parametrize("case", CASES, ids=[f"{c[0]}-{i}" for i, c in enumerate(CASES)])
@@ -114,6 +127,60 @@ def test_truncated_call_keeps_what_was_read() -> None:
     content, calls = make_tool_parser("hermes").extract(text)
     assert content is None and [(c.name, c.arguments) for c in calls] == [
         ("f", '{"city": "Par')]
+
+
+def _mistral_calls(text: str) -> list[tuple[str, str]]:
+    """The (name, arguments text) of the calls in `text`, checked to be the same streamed
+    at every cut point and one character at a time."""
+    _, calls = make_tool_parser("mistral").extract(text)
+    want = [(c.name, c.arguments) for c in calls]
+    for pieces in [[text[:i], text[i:]] for i in range(len(text) + 1)] + [list(text)]:
+        merged, _ = streamed(make_tool_parser("mistral"), pieces)
+        assert [(c.name, c.arguments) for c in merge_calls(merged.tool_calls)] == want, pieces
+    return want
+
+
+def test_mistral_v11_arguments_are_the_text_the_model_wrote() -> None:
+    # Verbatim but for the whitespace around them, as the JSON-list form sends its arguments.
+    text = '[TOOL_CALLS]f[ARGS] {"b":1,  "a" : [2]}\n\n[TOOL_CALLS]g[ARGS]{}'
+    assert _mistral_calls(text) == [("f", '{"b":1,  "a" : [2]}'), ("g", "{}")]
+
+
+def test_mistral_invalid_json_arguments_are_sent_as_written() -> None:
+    # Both forms send arguments that do not parse as the model wrote them (the client sees
+    # the call the model tried to make), and the calls after them still parse.
+    old = '[TOOL_CALLS][{"name": "f", "arguments": {city: Paris}}, {"name": "g"}]'
+    assert _mistral_calls(old) == [("f", "{city: Paris}"), ("g", "{}")]
+    new = '[TOOL_CALLS]f[ARGS]{city: Paris}[TOOL_CALLS]g[ARGS]{"ok": true}'
+    assert _mistral_calls(new) == [("f", "{city: Paris}"), ("g", '{"ok": true}')]
+
+
+def test_mistral_v11_cut_short() -> None:
+    # max_tokens cut the arguments: the call keeps what was read; a name the end cut off
+    # (no [ARGS] yet) makes no call, and none of the markup becomes content.
+    assert _mistral_calls('[TOOL_CALLS]f[ARGS]{"city": "Par') == [("f", '{"city": "Par')]
+    assert _mistral_calls('[TOOL_CALLS]f[ARGS]{"q": "[TOOL_') == [("f", '{"q": "[TOOL_')]
+    assert _mistral_calls('[TOOL_CALLS]f[ARGS]{}[TOOL_CALLS]get_wea') == [("f", "{}")]
+    for text in ("Hi [TOOL_CALLS]get_wea", "Hi [TOOL_CALLS]get_weather[AR"):
+        content, calls = make_tool_parser("mistral").extract(text)
+        assert (content, calls) == ("Hi", [])
+    # A call with no name is not a call; the next one still is.
+    assert _mistral_calls('[TOOL_CALLS]x[ARGS]{}[TOOL_CALLS] [ARGS]{"a": 1}[TOOL_CALLS]y'
+                          '[ARGS]{}') == [("x", "{}"), ("y", "{}")]
+
+
+def test_mistral_v11_streams_the_header_when_the_name_ends() -> None:
+    parser = make_tool_parser("mistral")
+    assert parser.feed("Checking.[TOOL_CALLS]get_").content == "Checking."
+    assert not parser.feed("weather[AR")
+    header = parser.feed('GS]{"city"').tool_calls
+    assert [(d.index, d.name, d.arguments) for d in header] == [
+        (0, "get_weather", ""), (0, None, '{"city"')]
+    assert [d.arguments for d in parser.feed(': "Paris"}\n').tool_calls] == [': "Paris"}']
+    second = parser.feed("[TOOL_CALLS]now[ARGS]").tool_calls
+    assert [(d.index, d.name) for d in second] == [(1, "now")]
+    assert [(d.index, d.arguments) for d in parser.finish().tool_calls] == [(1, "{}")]
+    assert parser.made_calls
 
 
 def test_llama3_prose_streams_at_once() -> None:

@@ -50,7 +50,8 @@ _FINISHED = AllowAll()
 UTILITY_METHODS = frozenset({
     "sleep", "wake_up", "is_sleeping",
     "get_step_timings", "get_weight_version", "set_weight_version", "pause", "resume", "is_paused",
-    "reset_prefix_cache", "get_stats", "get_num_blocks", "ping", *WEIGHT_SYNC_UTILITIES,
+    "reset_prefix_cache", "get_stats", "get_num_blocks", "ping", "remove_lora",
+    *WEIGHT_SYNC_UTILITIES,
 })
 
 
@@ -148,6 +149,7 @@ class EngineCore(WeightSyncMixin, PauseSleepMixin):
             engine_index=self.engine_index,
             structured=self.structured,
             spec=SpecScheduling.from_config(config.speculative_config),
+            max_loras=config.lora_config.max_loras if config.lora_config is not None else 0,
         )
 
     # -- faults --------------------------------------------------------------------------------
@@ -456,6 +458,15 @@ class EngineCore(WeightSyncMixin, PauseSleepMixin):
     def reset_prefix_cache(self) -> bool:
         """Drop every cached prefix block not in use; False when some are still in use."""
         return self.scheduler.reset_prefix_cache()
+
+    def remove_lora(self, identity: str) -> bool:
+        """An adapter unloaded (`/v1/unload_lora_adapter`): every worker drops it from its
+        slot and memory once the requests running on it have finished (`ringserve.gpu.lora.
+        manager`). False when LoRA is off."""
+        if self.config.lora_config is None:
+            return False
+        self._worker_call("remove_lora", (identity,), self.step_timeout)
+        return True
 
     def get_stats(self) -> dict[str, Any]:
         """The scheduler's current statistics (SchedulerStats fields as a dict)."""

@@ -59,6 +59,7 @@ from ringserve.engine.metrics.metrics_reader import Metric
 from ringserve.engine.metrics.stat_loggers import StatLoggerFactory, StatLoggerManager
 from ringserve.engine.metrics.stats import IterationStats
 from ringserve.engine.wire import FAULT_INSTRUCTION_METHOD, EngineCoreRequest
+from ringserve.lora_request import LoRARequest
 from ringserve.outputs import RequestOutput
 from ringserve.pooling_params import PoolingParams
 from ringserve.sampling_params import SamplingParams, default_sampling_params
@@ -91,7 +92,7 @@ class AsyncLLM(AsyncRLMethods, AsyncElasticDPMethods, AsyncPoolingMethods):
         self.input_processor = InputProcessor(
             config.model_config, self.tokenizer,
             config.structured_outputs_config.resolved_backend,
-            pooling=config.pooler_config is not None)
+            pooling=config.pooler_config is not None, lora=config.lora_config)
         self.output_processor = OutputProcessor(self.tokenizer)
         if attach is not None:
             self.output_processor.id_prefix = f"f{attach.client_index}."
@@ -311,20 +312,23 @@ class AsyncLLM(AsyncRLMethods, AsyncElasticDPMethods, AsyncPoolingMethods):
     async def _process(self, request_id: str, prompt: PromptType, params: SamplingParams,
                        priority: int, data_parallel_rank: int | None,
                        pooling_params: PoolingParams | None = None,
+                       lora_request: LoRARequest | None = None,
                        ) -> tuple[EngineCoreRequest, str | None]:
         process = self.input_processor.process
         if isinstance(prompt, str) and len(prompt) > _INLINE_TOKENIZE_CHARS:
             return await trio.to_thread.run_sync(
                 lambda: process(request_id, prompt, params, priority=priority,
                                 data_parallel_rank=data_parallel_rank,
-                                pooling_params=pooling_params))
+                                pooling_params=pooling_params, lora_request=lora_request))
         return process(request_id, prompt, params, priority=priority,
-                       data_parallel_rank=data_parallel_rank, pooling_params=pooling_params)
+                       data_parallel_rank=data_parallel_rank, pooling_params=pooling_params,
+                       lora_request=lora_request)
 
     async def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams,
                           *, priority: int = 0, data_parallel_rank: int | None = None,
                           pooling_params: PoolingParams | None = None,
-                          collector: Any = None) -> RequestOutputCollector:
+                          collector: Any = None,
+                          lora_request: LoRARequest | None = None) -> RequestOutputCollector:
         """Validate, admit and send a request; returns its collector.
 
         `request_id` is the caller's: it is echoed in every output but need not be unique.
@@ -343,7 +347,7 @@ class AsyncLLM(AsyncRLMethods, AsyncElasticDPMethods, AsyncPoolingMethods):
         """
         client = self._live_client()
         request, text = await self._process(request_id, prompt, params, priority,
-                                            data_parallel_rank, pooling_params)
+                                            data_parallel_rank, pooling_params, lora_request)
         client = self._live_client()  # it may have died while tokenizing
         client.check_accepting()
         self.check_admission(params.n, params.n * len(request.prompt_token_ids))
@@ -372,8 +376,11 @@ class AsyncLLM(AsyncRLMethods, AsyncElasticDPMethods, AsyncPoolingMethods):
 
     async def generate(self, prompt: PromptType, sampling_params: SamplingParams | None = None,
                        request_id: str | None = None, *, priority: int = 0,
-                       data_parallel_rank: int | None = None) -> AsyncIterator[RequestOutput]:
-        """Stream a request's outputs (delta, cumulative or final-only per output_kind).
+                       data_parallel_rank: int | None = None,
+                       lora_request: LoRARequest | None = None,
+                       ) -> AsyncIterator[RequestOutput]:
+        """Stream a request's outputs (delta, cumulative or final-only per output_kind), under
+        `lora_request`'s adapter when given (`--enable-lora`).
 
         Leaving the loop early, or cancelling the consuming task, aborts the request.
 
@@ -386,7 +393,8 @@ class AsyncLLM(AsyncRLMethods, AsyncElasticDPMethods, AsyncPoolingMethods):
             self.config.model_config.generation_defaults)
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         collector = await self.add_request(rid, prompt, params, priority=priority,
-                                           data_parallel_rank=data_parallel_rank)
+                                           data_parallel_rank=data_parallel_rank,
+                                           lora_request=lora_request)
         finished = False
         try:
             while not finished:

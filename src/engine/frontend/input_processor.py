@@ -11,8 +11,9 @@ from __future__ import annotations
 import time
 from typing import Any, TypedDict
 
-from ringserve.config import ModelConfig
+from ringserve.config import LoRAConfig, ModelConfig
 from ringserve.engine.wire import EngineCoreRequest
+from ringserve.lora_request import LoRARequest
 from ringserve.pooling_params import PoolingParams
 from ringserve.prompt_length import check_prompt_length
 from ringserve.sampling_params import (
@@ -63,14 +64,18 @@ class InputProcessor:
         pooling: the engine runs a pooling model (`--runner pooling`): it takes pooling
             requests only; otherwise generation requests only (one runner per engine, as
             vLLM).
+        lora: the engine's LoRA limits (`--enable-lora`; None: requests take no adapter).
     """
 
     def __init__(self, model_config: ModelConfig, tokenizer: Any,
-                 structured_backend: str = "xgrammar", *, pooling: bool = False) -> None:
+                 structured_backend: str = "xgrammar", *, pooling: bool = False,
+                 lora: LoRAConfig | None = None) -> None:
         self.model_config = model_config
         self.tokenizer = tokenizer
         self.structured_backend = structured_backend
         self.pooling = pooling
+        self.lora = lora
+        self._adapters: dict[str, Any] = {}  # path -> its checked adapter config
 
     def process(
         self,
@@ -82,6 +87,7 @@ class InputProcessor:
         priority: int = 0,
         data_parallel_rank: int | None = None,
         pooling_params: PoolingParams | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> tuple[EngineCoreRequest, str | None]:
         """Build the core request; returns it with the prompt text (None for token prompts).
 
@@ -97,6 +103,8 @@ class InputProcessor:
         if self.pooling and pooling_params is None:
             raise ValueError(f"model: {cfg.served_model_name} is a pooling model (embeddings, "
                              "classification, scores); it does not generate text")
+        if lora_request is not None:
+            self._check_adapter(lora_request)
         if pooling_params is not None and not self.pooling:
             raise ValueError(f"model: {cfg.served_model_name} generates text; it does not "
                              "pool (serve an embedding or classification model with "
@@ -118,8 +126,30 @@ class InputProcessor:
             cache_salt=cache_salt,
             data_parallel_rank=data_parallel_rank,
             pooling_params=pooling_params,
+            lora_request=lora_request,
         )
         return request, text
+
+    def _check_adapter(self, lora_request: LoRARequest) -> None:
+        """A request's adapter, checked once per path before anything is sent.
+
+        Raises:
+            TypeError: not a LoRARequest.
+            ValueError: LoRA is off, or the adapter cannot be served (its files, its config
+                fields, its rank; naming them).
+        """
+        if not isinstance(lora_request, LoRARequest):
+            raise TypeError(f"lora_request: expected a LoRARequest, got "
+                            f"{type(lora_request).__name__}")
+        if self.lora is None:
+            raise ValueError(f"lora_request: adapter {lora_request.lora_name!r} asked of an "
+                             "engine without LoRA (start it with enable_lora=True / "
+                             "--enable-lora)")
+        if lora_request.lora_path not in self._adapters:
+            from ringserve.gpu.lora.adapter_config import read_adapter_config
+
+            self._adapters[lora_request.lora_path] = read_adapter_config(
+                lora_request.lora_path, max_lora_rank=self.lora.max_lora_rank)
 
     def _check_constraint(self, constraint: StructuredOutputsParams) -> None:
         """A constraint the core's backend could not compile fails here, before sending.

@@ -33,6 +33,7 @@ from ringserve.engine.frontend.llm_pooling import SyncPoolingMethods
 from ringserve.engine.frontend.rl_api import SyncRLMethods
 from ringserve.engine.metrics.metrics_reader import Metric
 from ringserve.engine.wire import FAULT_INSTRUCTION_METHOD
+from ringserve.lora_request import LoRARequest
 from ringserve.outputs import RequestOutput
 from ringserve.sampling_params import RequestOutputKind, SamplingParams, default_sampling_params
 
@@ -127,15 +128,22 @@ class LLM(SyncRLMethods, SyncPoolingMethods):
         prompts: PromptType | Sequence[PromptType],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Generate for every prompt; returns the finished outputs in input order.
 
+        Args:
+            lora_request: the adapter every prompt runs under, or one per prompt (None for a
+                base-model prompt); needs `enable_lora=True`.
+
         Raises:
-            ValueError: a prompt or parameter set is invalid, or the counts do not match.
+            ValueError: a prompt, parameter set or adapter is invalid, or the counts do not
+                match.
         """
         prompt_list = _as_prompt_list(prompts)
         params_list = self._params_for(prompt_list, sampling_params)
-        request_ids = self._add_all(prompt_list, params_list)
+        loras = _per_prompt(lora_request, len(prompt_list))
+        request_ids = self._add_all(prompt_list, params_list, loras)
         return self._run(request_ids, use_tqdm)
 
     def chat(
@@ -178,11 +186,14 @@ class LLM(SyncRLMethods, SyncPoolingMethods):
                                  f"{len(prompts)} prompts; pass one or one per prompt")
         return [p.clone(output_kind=RequestOutputKind.FINAL_ONLY) for p in params_list]
 
-    def _add_all(self, prompts: list[PromptType], params: list[SamplingParams]) -> list[str]:
+    def _add_all(self, prompts: list[PromptType], params: list[SamplingParams],
+                 loras: list[LoRARequest | None] | None = None) -> list[str]:
         engine = self.llm_engine
+        adapters = loras if loras is not None else [None] * len(prompts)
         # Validate and tokenize everything first: a bad prompt raises before any is queued.
-        processed = [engine.input_processor.process(str(next(self._counter)), prompt, p)
-                     for prompt, p in zip(prompts, params, strict=True)]
+        processed = [engine.input_processor.process(str(next(self._counter)), prompt, p,
+                                                    lora_request=lora)
+                     for prompt, p, lora in zip(prompts, params, adapters, strict=True)]
         for request, text in processed:
             engine.add_processed_request(request, text)
         return [request.request_id for request, _ in processed]
@@ -209,6 +220,22 @@ class LLM(SyncRLMethods, SyncPoolingMethods):
             if bar is not None:
                 bar.close()
         return [done[rid] for rid in request_ids]
+
+
+def _per_prompt(lora_request: LoRARequest | Sequence[LoRARequest | None] | None,
+                count: int) -> list[LoRARequest | None]:
+    """One adapter (or None) per prompt.
+
+    Raises:
+        ValueError: a list of adapters whose length is not the number of prompts.
+    """
+    if lora_request is None or isinstance(lora_request, LoRARequest):
+        return [lora_request] * count
+    loras = list(lora_request)
+    if len(loras) != count:
+        raise ValueError(f"lora_request: {len(loras)} given for {count} prompts; pass one, or "
+                         "one per prompt (None for the base model)")
+    return loras
 
 
 def _as_prompt_list(prompts: PromptType | Sequence[PromptType]) -> list[PromptType]:

@@ -20,6 +20,7 @@ from ringserve.engine.metrics.stat_loggers import StatLoggerManager
 from ringserve.engine.metrics.stats import IterationStats
 from ringserve.engine.wire import EngineCoreRequest
 from ringserve.gpu.executor.base import Executor
+from ringserve.lora_request import LoRARequest
 from ringserve.outputs import RequestOutput
 from ringserve.sampling_params import SamplingParams
 from ringserve.tokenizer import load_tokenizer
@@ -55,11 +56,13 @@ class LLMEngine:
         self.input_processor = InputProcessor(
             config.model_config, self.tokenizer,
             config.structured_outputs_config.resolved_backend,
-            pooling=config.pooler_config is not None)
+            pooling=config.pooler_config is not None, lora=config.lora_config)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.engine_core = client if client is not None else _make_client(config, executor_class)
         obs = config.observability_config
         self.stat_loggers = None if obs.disable_log_stats else StatLoggerManager(config)
+        if self.stat_loggers is not None:
+            self.stat_loggers.log_engine_initialized(self.engine_core.num_blocks)
         self._log_interval = obs.log_stats_interval
         self._next_log_time = time.monotonic() + self._log_interval
 
@@ -80,14 +83,17 @@ class LLMEngine:
         *,
         arrival_time: float | None = None,
         priority: int = 0,
+        lora_request: LoRARequest | None = None,
     ) -> None:
-        """Validate, tokenize and queue a request (n > 1 becomes n child requests).
+        """Validate, tokenize and queue a request (n > 1 becomes n child requests), under
+        `lora_request`'s adapter when given.
 
         Raises:
             ValueError: the prompt or the parameters are invalid (nothing is queued).
         """
         request, text = self.input_processor.process(request_id, prompt, params,
-                                                     arrival_time=arrival_time, priority=priority)
+                                                     arrival_time=arrival_time, priority=priority,
+                                                     lora_request=lora_request)
         self.add_processed_request(request, text)
 
     def add_processed_request(self, request: EngineCoreRequest, text: str | None) -> str:

@@ -1,7 +1,8 @@
 """`PrometheusStatLogger`: scheduler and iteration stats as `ringserve:` Prometheus families.
 
 Names, types and buckets mirror vLLM's V1 metrics (`vllm:` -> `ringserve:`), labelled with
-`model_name` and `engine` (the data-parallel rank). `prefixed_registry("vllm")` is what
+`model_name` and `engine` (the data-parallel rank); label names and values are vLLM's too
+(`sleep_state`, `finished_reason`, `cache_config_info`'s fields). `prefixed_registry("vllm")` is what
 `/metrics` serves under `--metrics-prefix vllm`: the same families named `vllm:...`, so
 dashboards and autoscalers written for vLLM read them unchanged. The `StatLoggerManager` owns one for all
 engines of a frontend; the HTTP server's `/metrics` serves the default registry.
@@ -37,8 +38,31 @@ ITL_BUCKETS = [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.
 LATENCY_BUCKETS = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
                    60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0]
 N_BUCKETS = [1.0, 2.0, 5.0, 10.0, 20.0]
-SLEEP_STATES = ("awake", "kv_cache_freed", "weights_freed")  # by sleep level 0, 1, 2
+# `sleep_state` values by sleep level 0, 1, 2: vLLM's names (its level 1 offloads the weights;
+# ringserve's frees the KV cache and keeps them, but dashboards key on these values).
+SLEEP_STATES = ("awake", "weights_offloaded", "discard_all")
 PREFIX = "ringserve"
+
+
+def cache_config_labels(config: EngineConfig, num_gpu_blocks: int | None) -> dict[str, str]:
+    """`cache_config_info`'s labels but `engine`: the vLLM `CacheConfig` fields ringserve has a
+    value for, named as vLLM names them and written as vLLM writes them (Python's `str`:
+    `True`, `None`, `0.92`). The KV cache is kept in the model's dtype (vLLM's `auto`) and
+    block hashes are SHA-256 (vLLM's default, `sha256`).
+
+    Args:
+        config: the engine configuration.
+        num_gpu_blocks: KV blocks of all the frontend's engines together (vLLM sums its
+            data-parallel engines' counts), None before they are known.
+    """
+    cache = config.cache_config
+    return {"block_size": str(cache.block_size), "cache_dtype": "auto",
+            "enable_prefix_caching": str(cache.enable_prefix_caching),
+            "gpu_memory_utilization": str(cache.gpu_memory_utilization),
+            "kv_cache_memory_bytes": str(cache.kv_cache_memory),
+            "num_gpu_blocks": str(num_gpu_blocks),
+            "num_gpu_blocks_override": str(cache.num_gpu_blocks_override),
+            "prefix_caching_hash_algo": "sha256"}
 
 
 def build_1_2_5_buckets(max_value: int) -> list[float]:
@@ -167,13 +191,23 @@ class PrometheusStatLogger:
         max_len = config.model_config.max_model_len
         batched = config.scheduler_config.max_num_batched_tokens
         self._families: dict[str, Any] = {}
+        self._config = config
+        # cache_config_info's labels but `engine`, once `log_engine_initialized` has them.
+        self._cache_info: dict[str, str] | None = None
         gauge, counter, hist = self._gauge, self._counter, self._histogram
         gauge("num_requests_running", "Requests in model execution batches.")
         gauge("num_requests_waiting", "Requests waiting to be processed.")
         gauge("kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.")
         gauge("engine_healthy", "1 while the engine core is alive, 0 once it is dead.")
-        gauge("engine_sleep_state", "1 for the engine's current sleep state, 0 for the others.",
-              ("sleep_state",))
+        gauge("engine_sleep_state", "1 for the engine's current sleep state, 0 for the others: "
+              "awake; weights_offloaded (sleep level 1: KV cache freed); discard_all (level 2: "
+              "weights freed too).", ("sleep_state",))
+        # An info gauge (always 1) as vLLM has it: no model_name, the config in the labels.
+        self._families["cache_config_info"] = Gauge(
+            f"{PREFIX}:cache_config_info", "The KV cache configuration (vLLM's CacheConfig "
+            "fields), one series per engine, value 1.",
+            [*cache_config_labels(config, None), "engine"], registry=self.registry,
+            multiprocess_mode="mostrecent")
         counter("prefix_cache_queries", "Prefix cache queries, in terms of number of tokens.")
         counter("prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.")
         counter("num_preemptions", "Cumulative number of preemptions from the engine.")
@@ -223,6 +257,9 @@ class PrometheusStatLogger:
     def _start_series(self, engine: int) -> None:
         self.record_health(True, engine)
         self.record_sleep_state(0, engine)
+        if self._cache_info is not None:
+            self._families["cache_config_info"].labels(**self._cache_info,
+                                                       engine=str(engine)).set(1)
         for reason in FinishReason:
             self._child("request_success", engine, str(reason))
         if self._num_experts:
@@ -248,6 +285,8 @@ class PrometheusStatLogger:
             self._families[name].remove(self._model_name, str(engine))
         for state in SLEEP_STATES:
             self._families["engine_sleep_state"].remove(self._model_name, str(engine), state)
+        if self._cache_info is not None:
+            self._families["cache_config_info"].remove(*self._cache_info.values(), str(engine))
 
     # -- family construction -------------------------------------------------------------------
 
@@ -329,7 +368,8 @@ class PrometheusStatLogger:
                 child("request_params_max_tokens", engine_idx).observe(done.max_tokens_param)
 
     def record_sleep_state(self, level: int, engine_idx: int = 0) -> None:
-        """Set the sleep-state gauge of an engine (0 awake, 1 KV cache freed, 2 + weights)."""
+        """Set the sleep-state gauge of an engine (level 0 awake, 1 KV cache freed, 2 the
+        weights too; labelled with vLLM's names, `SLEEP_STATES`)."""
         for index, state in enumerate(SLEEP_STATES):
             self._child("engine_sleep_state", engine_idx, state).set(1 if index == level else 0)
 
@@ -340,8 +380,19 @@ class PrometheusStatLogger:
     def log(self) -> None:
         """Nothing to do: Prometheus pulls."""
 
-    def log_engine_initialized(self) -> None:
-        """Nothing to do."""
+    def log_engine_initialized(self, num_gpu_blocks: int | None = None) -> None:
+        """Publish `cache_config_info` for every engine (vLLM does it here too, once the KV
+        cache is sized).
+
+        Args:
+            num_gpu_blocks: KV blocks of all the frontend's engines together.
+        """
+        family = self._families["cache_config_info"]
+        if self._cache_info is not None and "PROMETHEUS_MULTIPROC_DIR" not in os.environ:
+            family.clear()
+        self._cache_info = cache_config_labels(self._config, num_gpu_blocks)
+        for engine in self.engine_indexes:
+            family.labels(**self._cache_info, engine=str(engine)).set(1)
 
     def shutdown(self) -> None:
         """Stop publishing this logger's families in the default registry."""

@@ -223,11 +223,16 @@ class StatLoggerManager:
             for stat_logger in loggers:
                 stat_logger.log()
 
-    def log_engine_initialized(self) -> None:
-        """Tell every logger the engines are up."""
+    def log_engine_initialized(self, num_gpu_blocks: int | None = None) -> None:
+        """Tell every logger the engines are up, and publish the cache configuration.
+
+        Args:
+            num_gpu_blocks: KV blocks of all the frontend's engines together (None: unknown).
+        """
         for loggers in self.per_engine.values():
             for stat_logger in loggers:
                 stat_logger.log_engine_initialized()
+        self.prometheus.log_engine_initialized(num_gpu_blocks)
 
     def get_metrics(self) -> list[Metric]:
         """A snapshot of this frontend's Prometheus series."""

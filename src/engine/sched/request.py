@@ -20,6 +20,7 @@ from ringserve.engine.wire import (
     EngineCoreRequest,
     FinishReason,
 )
+from ringserve.lora_request import LoRARequest
 from ringserve.pooling_params import PoolingParams
 from ringserve.sampling_params import SamplingParams
 
@@ -102,6 +103,8 @@ class Request:
         grammar: its structured-output grammar (a `RequestGrammar`), or None.
         pooling_params: set for a pooling request (`ringserve.gpu.pooling`): it asks for
             one token that is never sampled, and ends with the pooler's output.
+        lora_request: the LoRA adapter it runs under (None: the base model); its identity
+            is one of the request's prefix-cache keys, as a salt is.
     """
 
     __slots__ = (
@@ -114,6 +117,7 @@ class Request:
         "error",
         "events",
         "grammar",
+        "lora_request",
         "max_tokens",
         "min_tokens",
         "num_cached_blocks",
@@ -151,9 +155,14 @@ class Request:
         cache_salt: str | None = None,
         client_index: int = 0,
         pooling_params: PoolingParams | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> None:
         self.request_id = request_id
         self.pooling_params = pooling_params
+        self.lora_request = lora_request
+        if lora_request is not None:
+            # Blocks computed under an adapter (or under another load of it) are its own.
+            cache_salt = f"{cache_salt or ''}\x00lora:{lora_request.identity}"
         self.client_index = client_index
         self.prompt_token_ids = prompt_token_ids
         self.all_token_ids = list(prompt_token_ids)
@@ -211,6 +220,7 @@ class Request:
             cache_salt=request.cache_salt,
             client_index=request.client_index,
             pooling_params=request.pooling_params,
+            lora_request=request.lora_request,
         )
 
     @property

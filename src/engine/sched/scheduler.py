@@ -101,6 +101,9 @@ class Scheduler(BooksMixin):
             `StructuredOutputManager`); None refuses constrained requests.
         spec: speculative decoding's books (`ringserve.gpu.spec_decode.scheduling`); None:
             speculation is off.
+        max_loras: the LoRA adapters one step may hold (`--max-loras`; 0: LoRA is off). A
+            waiting request whose adapter would be one too many waits, and so does every
+            request after it (first come, first served within the slot limit).
 
     Raises:
         ValueError: a budget or limit below 1, or too few blocks.
@@ -117,6 +120,7 @@ class Scheduler(BooksMixin):
         engine_index: int = 0,
         structured: GrammarSource | None = None,
         spec: SpecScheduling | None = None,
+        max_loras: int = 0,
     ) -> None:
         cfg = scheduler_config
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
@@ -148,6 +152,7 @@ class Scheduler(BooksMixin):
         self.waiting = create_request_queue(cfg.policy)
         self.structured = structured
         self.spec = spec
+        self.max_loras = max_loras
         self._lookahead = spec.lookahead if spec is not None else 0
         # Constrained requests whose grammar is still compiling (not in `waiting` yet).
         self.waiting_for_grammar: list[Request] = []
@@ -361,8 +366,16 @@ class Scheduler(BooksMixin):
         kv = self.kv_cache_manager
         threshold = self.long_prefill_token_threshold
         now = time.monotonic() if self.log_stats else 0.0
+        adapters = ({r.lora_request.identity for r in running if r.lora_request is not None}
+                    if self.max_loras else None)
         while waiting and step.budget > 0 and len(running) < self.max_num_seqs:
             req = waiting.peek()
+            if adapters is not None and req.lora_request is not None:
+                identity = req.lora_request.identity
+                if identity not in adapters:
+                    if len(adapters) >= self.max_loras:
+                        break  # its adapter waits for a slot; nobody overtakes it
+                    adapters.add(identity)
             hit_blocks, num_hit_tokens = kv.get_computed_blocks(req)
             n = len(req.all_token_ids) - num_hit_tokens
             if n > threshold:
@@ -453,6 +466,7 @@ class Scheduler(BooksMixin):
                     list(get_blocks(req.request_id)),
                     req.num_computed_tokens,
                     pooling_params=req.pooling_params,
+                    lora_request=req.lora_request,
                 )
             )
             if _advance(req, num_scheduled[req.request_id]) and req.grammar is not None:

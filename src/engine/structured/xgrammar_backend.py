@@ -11,8 +11,9 @@ body, so a pattern that names a quote, a backslash or a control character litera
 `\\\\`, `\\n`, `\\x01`) would let it emit that byte unescaped; such a schema is refused here
 (the guidance backend escapes them). Keywords xgrammar 0.2.9 silently ignores (`not`, `if`,
 `uniqueItems`, `contains`, `allOf` of several schemas, ...) are refused too, so a schema that
-compiles is enforced. `json_object` is the schema `{"type": "object"}` (an object, never a bare
-value).
+compiles is enforced. xgrammar compiles `oneOf` as `anyOf`, which is exact only when no value can
+match two branches: a `oneOf` whose branches are not proven mutually exclusive (`one_of`) is
+refused. `json_object` is the schema `{"type": "object"}` (an object, never a bare value).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from typing import Any
 import torch
 import xgrammar as xgr
 
+from ringserve.engine.structured.one_of import overlapping_branches
 from ringserve.engine.structured.schema import load_schema
 from ringserve.sampling_params import StructuredOutputsParams
 
@@ -116,6 +118,7 @@ def _check_schema_features(schema: Any) -> None:
         if isinstance(all_of, list) and len(all_of) > 1:
             raise ValueError(f"structured_outputs.json: 'allOf' with several schemas at {path} "
                              "is not supported by the xgrammar backend")
+        _check_one_of(schema, sub.get("oneOf"), path)
         patterns = [sub.get("pattern")]
         properties = sub.get("patternProperties")
         if isinstance(properties, dict):
@@ -126,6 +129,21 @@ def _check_schema_features(schema: Any) -> None:
                     f"structured_outputs.json: the pattern {pattern!r} at {path} names a quote, "
                     "backslash or control character, which the xgrammar backend would emit "
                     "unescaped (invalid JSON); use the guidance backend")
+
+
+def _check_one_of(root: Any, branches: Any, path: str) -> None:
+    """Refuse a `oneOf` that xgrammar, which enforces it as `anyOf`, would not enforce."""
+    if not isinstance(branches, list):
+        return
+    pair = overlapping_branches(root, branches)
+    if pair is not None:
+        raise ValueError(
+            f"structured_outputs.json: 'oneOf' at {path}: branches {pair[0]} and {pair[1]} are "
+            "not mutually exclusive, and the xgrammar backend enforces 'oneOf' as 'anyOf' (it "
+            "would accept an output matching several branches, which the schema forbids); "
+            "allowed: branches of different types or different 'const' / 'enum' values, or "
+            "objects that require a property with a different 'const' / 'enum' in each (a "
+            "discriminator); otherwise use 'anyOf'")
 
 
 def _ebnf_literal(text: str) -> str:

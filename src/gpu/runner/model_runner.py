@@ -30,6 +30,7 @@ from ringserve.checkpoint.precision import BF16_WEIGHTS
 from ringserve.config import EngineConfig
 from ringserve.gpu.attention.backend import BackendName, TorchAttentionBackend, select_backend
 from ringserve.gpu.layers.parallel import TPGroup
+from ringserve.gpu.lora.manager import LoRAManager
 from ringserve.gpu.models.llama import LlamaForCausalLM
 from ringserve.gpu.models.moe import MoeForCausalLM
 from ringserve.gpu.moe.layer import FusedMoE
@@ -121,6 +122,9 @@ class ModelRunner:
         # pooled, never sampled. None: the model generates.
         pooler = config.pooler_config
         self.pooler = DecoderPooler(pooler) if pooler is not None and not pooler.encoder else None
+        # LoRA adapters (`ringserve.gpu.lora`; None: off).
+        self.lora = (LoRAManager(config.lora_config, config.model_config, device)
+                     if config.lora_config is not None else None)
 
     def _new_table(self) -> RequestTable:
         config = self.config
@@ -154,6 +158,8 @@ class ModelRunner:
         self._model = load_model(config, tp=self.tp, device=self.device, backend=self.backend)
         if self.pooler is not None:
             self.pooler.load_head(config, self.device)
+        if self.lora is not None:
+            self.lora.install(self._model)
         self._attach_expert_load()  # a reload keeps counting into the same tensors
         if self.proposer is None:
             self.proposer = make_proposer(self.config, self.device, self.tp, self.backend)
@@ -171,6 +177,8 @@ class ModelRunner:
         the new weights (its tables point at them)."""
         old = self.model
         self._model = model
+        if self.lora is not None:
+            self.lora.install(model)  # the adapters stay across a weight update
         self._attach_expert_load()
         self.capture_decode()
         return old
@@ -308,7 +316,11 @@ class ModelRunner:
             inputs = verify.inputs
         else:
             inputs = prepare_inputs(self.table, req_ids, num_scheduled, self.device)
-        if self.capture is not None and self.capture.accepts(inputs):
+        if self.lora is not None:  # which rows run under which adapter
+            self.request_errors.update(self.lora.prepare(inputs.req_ids, inputs.num_scheduled))
+        # The captured step reads the panels directly: a step with LoRA rows runs eagerly.
+        if (self.capture is not None and (self.lora is None or not self.lora.batch.active)
+                and self.capture.accepts(inputs)):
             try:
                 hidden = self.capture.run(inputs, self.abort_flag)
             except StepAborted:  # a pause came mid-step: taken back like a skipped step
@@ -421,6 +433,8 @@ class ModelRunner:
     def _apply_diff(self, so: SchedulerOutput) -> None:
         if self.pooler is not None:
             self.pooler.apply_diff(so)
+        if self.lora is not None:
+            self.lora.apply_diff(so)
         if self.proposer is not None:
             self.proposer.forget([*so.finished_req_ids, *so.preempted_req_ids,
                                   *(c.req_id for c in so.scheduled_cached_reqs

@@ -102,7 +102,8 @@ async def prepare_turn(ctx: AppContext, chat: ChatCompletionRequest, request_id:
     token_ids = await ctx.tokenize(text, add_special_tokens=chat.add_special_tokens)
     config = ctx.engine.config
     job = make_job(request_id, {"prompt_token_ids": token_ids, "prompt": text},
-                   chat_params(chat, tools, config.model_config), chat, config.model_config)
+                   chat_params(chat, tools, config.model_config), chat, config.model_config,
+                   ctx.lora_for(chat.model))
     check_admission(ctx.engine, [job])
     check_constraint(job.params, config.structured_outputs_config.resolved_backend)
     plan = ChatOutputPlan(config.structured_outputs_config.reasoning_parser, tools, text)

@@ -77,26 +77,33 @@ def partial_suffix(text: str, marker: str) -> int:
 
 
 class MarkerScan:
-    """Finds `marker` in streamed text, holding back an end that may begin it."""
+    """Finds the first of one or more markers in streamed text, holding back an end that may
+    begin one of them.
 
-    def __init__(self, marker: str) -> None:
-        self.marker = marker
+    Attributes:
+        found: the marker the last `feed` found (None: none).
+    """
+
+    def __init__(self, *markers: str) -> None:
+        self.markers = markers
         self.held = ""
+        self.found: str | None = None
 
     def feed(self, text: str) -> tuple[str, str | None]:
-        """Returns the text before the marker, and the text after it (None: not found yet;
-        what may begin the marker is held back)."""
+        """Returns the text before the first marker, and the text after it (None: no marker
+        yet; what may begin one is held back)."""
         buf = self.held + text
-        at = buf.find(self.marker)
-        if at >= 0:
-            self.held = ""
-            return buf[:at], buf[at + len(self.marker):]
-        keep = partial_suffix(buf, self.marker)
-        self.held = buf[len(buf) - keep:]
+        hits = [(at, -len(m), m) for m in self.markers if (at := buf.find(m)) >= 0]
+        if hits:
+            at, _, marker = min(hits)
+            self.held, self.found = "", marker
+            return buf[:at], buf[at + len(marker):]
+        keep = max(partial_suffix(buf, m) for m in self.markers)
+        self.held, self.found = buf[len(buf) - keep:], None
         return buf[:len(buf) - keep], None
 
     def flush(self) -> str:
-        """The held-back text, when the stream ends without the marker."""
+        """The held-back text, when the stream ends without a marker."""
         held, self.held = self.held, ""
         return held
 

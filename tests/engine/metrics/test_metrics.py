@@ -1,6 +1,7 @@
 """Metrics: exact counter values after a known workload (sync LLMEngine and AsyncLLM, null
-model), histogram counts, `/metrics` text parsing, several engines per process, and the
-analytic FLOPs of one step of the tiny model against a hand computation."""
+model), histogram counts, `/metrics` text parsing, several engines per process, vLLM's label
+names and values under `--metrics-prefix vllm`, and the analytic FLOPs of one step of the tiny
+model against a hand computation."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from ringserve.engine.frontend.async_llm import AsyncLLM
 from ringserve.engine.frontend.llm_engine import LLMEngine
 from ringserve.engine.metrics.flops import ModelFlops
 from ringserve.engine.metrics.metrics_reader import Counter, Gauge, Histogram, Metric
+from ringserve.engine.metrics.prometheus import PrometheusStatLogger, prefixed_registry
 from ringserve.engine.metrics.stat_loggers import LoggingStatLogger
 from ringserve.engine.wire import SchedulerStats
 from ringserve.gpu.executor.null import NullExecutor
@@ -82,6 +84,7 @@ def test_sync_counters_match_workload(tiny_llama_dir: Path) -> None:
     # Each request contributes one inter-token latency per token after its first.
     assert _hist(metrics, "ringserve:inter_token_latency_seconds").count == completion - 6
     assert _value(metrics, "ringserve:engine_healthy", engine="0") == 1
+    assert _value(metrics, "ringserve:cache_config_info", engine="0", num_gpu_blocks="64") == 1
 
 
 def test_disabled_stats_have_no_metrics(tiny_llama_dir: Path) -> None:
@@ -159,7 +162,10 @@ async def test_async_metrics_and_prometheus_text(tiny_llama_dir: Path) -> None:
         assert _value(metrics, "ringserve:generation_tokens") == completion
         assert _value(metrics, "ringserve:request_success", finished_reason="length") == 4
         assert _hist(metrics, "ringserve:time_to_first_token_seconds").count == 4
-        assert _value(metrics, "ringserve:engine_sleep_state", sleep_state="kv_cache_freed") == 1
+        assert _value(metrics, "ringserve:engine_sleep_state",
+                      sleep_state="weights_offloaded") == 1
+        assert _value(metrics, "ringserve:cache_config_info", engine="0",
+                      num_gpu_blocks="64") == 1
         families = {f.name: f for f in text_string_to_metric_families(text)}
         success = [s for s in families["ringserve:request_success"].samples
                    if s.name.endswith("_total") and s.labels["finished_reason"] == "length"]
@@ -169,3 +175,44 @@ async def test_async_metrics_and_prometheus_text(tiny_llama_dir: Path) -> None:
                 "ringserve:iteration_tokens_total"} <= set(families)
     # Shut-down engines leave the default registry.
     assert "ringserve:" not in generate_latest().decode()
+
+
+def _vllm_families() -> dict[str, Any]:
+    text = generate_latest(prefixed_registry("vllm")).decode()
+    return {f.name: f for f in text_string_to_metric_families(text)}
+
+
+def test_sleep_state_and_cache_config_info_are_vllms(tiny_llama_dir: Path) -> None:
+    """vLLM's `vllm:engine_sleep_state{model_name, engine, sleep_state}` with its values
+    (awake, weights_offloaded, discard_all) and its `vllm:cache_config_info` info gauge (the
+    CacheConfig fields as labels, plus engine; value 1)."""
+    config = _config(tiny_llama_dir, kv_cache_memory=16 << 20)
+    prom = PrometheusStatLogger(config, [0, 1])
+    try:
+        prom.record_sleep_state(1, 1)
+        prom.log_engine_initialized(128)
+        prom.add_engine(2)  # elastic scale-up: its series too
+        prom.record_sleep_state(2, 2)
+        families = _vllm_families()
+        prom.remove_engine(1)
+        after_removal = _vllm_families()
+    finally:
+        prom.shutdown()
+    sleep = families["vllm:engine_sleep_state"]
+    assert sleep.type == "gauge"
+    assert {tuple(sorted(s.labels)) for s in sleep.samples} == {
+        ("engine", "model_name", "sleep_state")}
+    assert {(s.labels["engine"], s.labels["sleep_state"]): s.value for s in sleep.samples} == {
+        ("0", "awake"): 1, ("0", "weights_offloaded"): 0, ("0", "discard_all"): 0,
+        ("1", "awake"): 0, ("1", "weights_offloaded"): 1, ("1", "discard_all"): 0,
+        ("2", "awake"): 0, ("2", "weights_offloaded"): 0, ("2", "discard_all"): 1}
+    info = families["vllm:cache_config_info"]
+    assert info.type == "gauge"
+    want = {"block_size": "16", "cache_dtype": "auto", "enable_prefix_caching": "True",
+            "gpu_memory_utilization": "0.92", "kv_cache_memory_bytes": str(16 << 20),
+            "num_gpu_blocks": "128", "num_gpu_blocks_override": "64",
+            "prefix_caching_hash_algo": "sha256"}
+    assert [(s.labels, s.value) for s in info.samples] == [
+        ({**want, "engine": engine}, 1.0) for engine in ("0", "1", "2")]
+    assert [s.labels["engine"] for s in after_removal["vllm:cache_config_info"].samples] == [
+        "0", "2"]

@@ -106,3 +106,38 @@ async def test_mixed_batch_on_the_null_model_with_the_rings(tiny_llama_dir: Path
             jsonschema.validate(json.loads(texts[i]), SCHEMA)
         else:
             assert lengths[i] == 20
+
+
+def _pet(kind: dict[str, Any], field: str, value: dict[str, Any]) -> dict[str, Any]:
+    return {"type": "object", "properties": {"kind": kind, field: value},
+            "required": ["kind", field], "additionalProperties": False}
+
+
+# A discriminated union in pydantic's shape (branches in $defs, a const / one-value enum tag)
+# beside a branch of another type: a `oneOf` whose branches exclude each other, so xgrammar
+# (which enforces `oneOf` as `anyOf`) enforces it exactly (issue 45 item 6).
+PETS: dict[str, Any] = {
+    "$defs": {"Cat": _pet({"const": "cat"}, "lives",
+                          {"type": "integer", "minimum": 1, "maximum": 9}),
+              "Dog": _pet({"enum": ["dog"]}, "name", {"type": "string", "maxLength": 6})},
+    "type": "object",
+    "properties": {"pets": {"type": "array", "minItems": 1, "maxItems": 3, "items": {
+        "oneOf": [{"$ref": "#/$defs/Cat"}, {"$ref": "#/$defs/Dog"},
+                  {"type": "string", "maxLength": 4}]}}},
+    "required": ["pets"],
+    "additionalProperties": False,
+}
+
+
+def test_discriminated_one_of_holds_on_the_demo_model(demo_model_dir: Path) -> None:
+    with LLM(str(demo_model_dir), device="cpu", kv_cache_memory=32 << 20) as llm:
+        params = SamplingParams(n=6, temperature=1.0, seed=7, max_tokens=200,
+                                structured_outputs=StructuredOutputsParams(
+                                    json=PETS, disable_any_whitespace=True))
+        (out,) = llm.generate(["My pets:"], params, use_tqdm=False)
+        with pytest.raises(ValueError, match=r"structured_outputs\.json: 'oneOf' at #/items"):
+            llm.generate(["x"], _params(json={"type": "array", "items": {
+                "oneOf": [{"type": "integer"}, {"type": "number"}]}}), use_tqdm=False)
+    for completion in out.outputs:
+        assert completion.finish_reason == "stop", completion.text
+        jsonschema.validate(json.loads(completion.text), PETS)  # exactly one branch per pet
