@@ -213,6 +213,9 @@ class SchedulerStats(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
     # Speculative decoding's counts since the previous stats (None: none this interval, or
     # speculation is off).
     spec_decoding: SpecDecodingStats | None = None
+    # LoRA (`--enable-lora`): adapter name -> its running / waiting requests (None: off).
+    lora_running: dict[str, int] | None = None
+    lora_waiting: dict[str, int] | None = None
 
 
 class EngineStatus(enum.IntEnum):

@@ -84,6 +84,11 @@ def test_mixed_batch_of_three_adapters_and_the_base_matches_peft(
                         lora_request=[loras[a] if a >= 0 else None for a, _ in cases])
     for (a, p), out in zip(cases, outs, strict=True):
         assert out.outputs[0].token_ids == expected[(a, p)], (a, p)
+    # vLLM's info gauge: the adapters that ran, under its label names.
+    info = [m for m in llm.get_metrics() if m.name == "ringserve:lora_requests_info"]
+    assert info and all(m.labels["max_lora"] == "3" for m in info)
+    assert any(set(m.labels["running_lora_adapters"].split(",")) == {"a", "b", "c"}
+               for m in info), [m.labels for m in info]
 
 
 def test_the_prefix_cache_is_kept_apart_per_adapter(

@@ -208,6 +208,15 @@ class PrometheusStatLogger:
             "fields), one series per engine, value 1.",
             [*cache_config_labels(config, None), "engine"], registry=self.registry,
             multiprocess_mode="mostrecent")
+        # vLLM's LoRA info gauge: no model_name or engine label; the value is the time of the
+        # last update, the adapters in the labels (names joined by commas).
+        self._lora_max = (str(config.lora_config.max_loras)
+                          if config.lora_config is not None else None)
+        if self._lora_max is not None:
+            self._families["lora_requests_info"] = Gauge(
+                f"{PREFIX}:lora_requests_info", "Running stats on lora requests.",
+                ["max_lora", "waiting_lora_adapters", "running_lora_adapters"],
+                registry=self.registry, multiprocess_mode="mostrecent")
         counter("prefix_cache_queries", "Prefix cache queries, in terms of number of tokens.")
         counter("prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.")
         counter("num_preemptions", "Cumulative number of preemptions from the engine.")
@@ -340,6 +349,10 @@ class PrometheusStatLogger:
                             series.inc(count)
             if scheduler_stats.spec_decoding is not None:
                 self.spec_decoding.record(scheduler_stats.spec_decoding, engine_idx)
+            if self._lora_max is not None and scheduler_stats.lora_running is not None:
+                self._families["lora_requests_info"].labels(
+                    self._lora_max, ",".join(sorted(scheduler_stats.lora_waiting or {})),
+                    ",".join(sorted(scheduler_stats.lora_running))).set_to_current_time()
         if iteration_stats is None:
             return
         stats = iteration_stats

@@ -35,6 +35,7 @@ class BooksMixin(OutputMixin):
     waiting: Any
     waiting_for_grammar: list[Request]
     max_num_seqs: int
+    max_loras: int
     _finished_req_ids: list[str]
     _invalidated: list[str]
     _taken_back: set[str]
@@ -278,6 +279,8 @@ class BooksMixin(OutputMixin):
             step_counter=self._step_id,
             estimated_flops=flops,
             spec_decoding=self.spec.take_stats() if self.spec is not None else None,
+            lora_running=_adapter_counts(self.running) if self.max_loras else None,
+            lora_waiting=_adapter_counts(self.waiting) if self.max_loras else None,
         )
 
     def check_invariants(self) -> None:
@@ -307,3 +310,13 @@ class BooksMixin(OutputMixin):
                 raise AssertionError(f"{req!r} in waiting queue")
             if kv.has_blocks(req.request_id) or req.num_computed_tokens:
                 raise AssertionError(f"{req!r}: waiting but holds blocks")
+
+
+def _adapter_counts(requests: Iterable[Request]) -> dict[str, int]:
+    """LoRA adapter name -> how many of `requests` run under it."""
+    counts: dict[str, int] = {}
+    for req in requests:
+        if req.lora_request is not None:
+            name = req.lora_request.lora_name
+            counts[name] = counts.get(name, 0) + 1
+    return counts
