@@ -67,8 +67,6 @@ LONG = {
     "tests/chaos/test_chaos.py::test_chaos": "test_fault_tolerance.py",
     "tests/http/test_http_group_stop.py::test_group_signal_drains_and_exits_zero"
     "[sigint-in-flight]": "its [sigterm-in-flight] case (the same drain, another signal)",
-    "tests/http/test_http_server.py::test_sigterm_drains_then_exits_zero[sigint-to-group]":
-        "its [sigterm] case and test_http_group_stop.py's group-signal cases",
     "tests/engine/test_step_hold.py::test_keep_pauses_skip_queued_steps_and_tokens_match[uni]":
         "its [mp] case (the same pauses over the multiprocess executor)",
     "tests/http/pooling/test_http_pooling_chunked.py":
