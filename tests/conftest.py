@@ -65,6 +65,11 @@ LONG = {
     "tests/gpu/spec_decode/test_spec_greedy.py::test_greedy_equal_on_each_family[qwen3moe]":
         "its [llama] case",
     "tests/chaos/test_chaos.py::test_chaos": "test_fault_tolerance.py",
+    "tests/gpu/spec_decode/test_spec_requests.py::test_streamed_deltas_with_stop_strings":
+        "test_spec_requests.py::test_stops_inside_accepted_runs and test_multi_token_stops.py",
+    "tests/gpu/spec_decode/test_spec_requests.py::test_chunked_prefill_and_prefix_hits":
+        "test_spec_greedy.py::test_greedy_equal_on_each_family[llama] and the scheduler's "
+        "spec tests (tests/engine/sched/test_spec_scheduling.py)",
     "tests/http/test_http_group_stop.py::test_group_signal_drains_and_exits_zero"
     "[sigint-in-flight]": "its [sigterm-in-flight] case (the same drain, another signal)",
     "tests/engine/test_step_hold.py::test_keep_pauses_skip_queued_steps_and_tokens_match[uni]":
