@@ -107,7 +107,7 @@ class LoRAManager:
             self.batch.set(None)
         else:
             rows = np.repeat(slots, num_scheduled.astype(np.int64))
-            self.batch.set(torch.from_numpy(rows).to(self.device))
+            self.batch.set(torch.from_numpy(rows))  # `set` moves what it needs to the device
         return errors
 
     def _slot_for(self, lora: LoRARequest, needed: set[str]) -> int:

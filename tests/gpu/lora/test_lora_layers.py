@@ -132,3 +132,62 @@ def test_batch_groups() -> None:
     assert torch.equal(torch.as_tensor(groups[1][1]), torch.tensor([1, 2, 4]))
     with pytest.raises(ValueError, match=r"max_loras: 0"):
         LoRASlots(0)
+
+
+SCATTERED = [-1, 0, 1, 2, 3, 4, 5, 6, 7, -1, 7, 6, 5, 4, 3, 2, 1, 0, -1, 3]
+CONTIGUOUS = [-1, 0, 0, 1, 2, 2, 2, 3, 4, -1, 5, 5, 6, 7, 7, -1]
+
+
+@pytest.fixture(scope="module")
+def lr8() -> LoRARunner:
+    return make_runner(tiny_model("llama"), max_loras=8)
+
+
+@pytest.mark.parametrize("path", ["masked", "per-slot"])
+@pytest.mark.parametrize("slots", [SCATTERED, CONTIGUOUS], ids=["scattered", "contiguous"])
+def test_eight_slots_match_each_slot_alone(lr8: LoRARunner, slots: list[int], path: str,
+                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """A step with 8 slots (stacked shrink, per-row mask, stacked expand; or the per-slot
+    loop) gives each row what its slot gives alone; base rows are bit-identical; a slot
+    reloaded with another adapter is seen by the next step."""
+    from ringserve.gpu.lora import layers
+
+    if path == "per-slot":
+        monkeypatch.setattr(layers, "_MASKED_MAX_WORK", 0)
+        monkeypatch.setattr(layers, "_MASKED_MAX_WORK_CONTIGUOUS", 0)
+    else:
+        monkeypatch.setattr(layers, "_MASKED_MAX_WORK_CONTIGUOUS", 10**6)
+    qkv = lr8.runner.model.model.layers[0].self_attn.qkv_proj  # type: ignore[attr-defined]
+    parts = [[(2, 0, 64), (3, 96, 32)], [(4, 0, 128)], [(1, 64, 32)], [(5, 0, 64), (2, 64, 32)]]
+    for slot in range(7):  # ranks and parts differ; slot 7 does not touch this layer
+        lr8.slots.load(slot, random_adapter(10 + slot, parts[slot % 4]))
+    lr8.slots.load(7, random_adapter(17, [(2, 0, 64)], fan_in=128, key=(1, "down_proj")))
+    x = torch.randn(len(slots), 64, generator=torch.Generator().manual_seed(5))
+
+    def forward(step: list[int] | None) -> torch.Tensor:
+        with torch.inference_mode():
+            lr8.batch.set(None if step is None else torch.tensor(step))
+            try:
+                return qkv.forward(x)
+            finally:
+                lr8.batch.set(None)
+
+    def check() -> None:
+        base, y = forward(None), forward(slots)
+        for row, slot in enumerate(slots):
+            if slot < 0:
+                assert torch.equal(y[row], base[row])  # bit-identical
+        for slot in range(8):
+            alone = forward([s if s == slot else -1 for s in slots])
+            rows = [r for r, s in enumerate(slots) if s == slot]
+            torch.testing.assert_close(y[rows], alone[rows], atol=1e-5, rtol=1e-5)
+        assert torch.equal(y[[r for r, s in enumerate(slots) if s == 7]],
+                           base[[r for r, s in enumerate(slots) if s == 7]])
+
+    check()
+    lr8.slots.clear(2)
+    lr8.slots.load(2, random_adapter(30, [(3, 32, 96)]))
+    check()
+    held = {s: a for s in range(7) if (a := lr8.slots.adapter(s)) is not None}
+    want = expected(x, forward(None), [-1 if s == 7 else s for s in slots], held)
+    torch.testing.assert_close(forward(slots), want, atol=1e-5, rtol=1e-5)
