@@ -36,6 +36,7 @@ import zmq
 
 from ringserve.config import EngineConfig
 from ringserve.engine.cluster.wire import (
+    STARTUP_FAILED_SETTING_STATUS,
     STARTUP_FAILED_STATUS,
     ClusterTopology,
     FrontendAddrs,
@@ -292,6 +293,10 @@ class EngineFleet:
                 return
             reason = f"engine core {rank} {proc.describe_exit()}"
             proc.lifeline.cut()
+            if proc.proc.returncode == STARTUP_FAILED_SETTING_STATUS:
+                # `cli.exit_status` reads the core's ValueError as a user mistake: exit 2.
+                raise EngineStartupError(f"engine core {rank} failed to start (its reason "
+                                         "is above): ValueError: a setting cannot work")
             if proc.proc.returncode == STARTUP_FAILED_STATUS:
                 raise EngineStartupError(f"engine core {rank} failed to start (its reason "
                                          "is above)")

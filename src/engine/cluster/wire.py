@@ -15,6 +15,9 @@ import msgspec
 # Exit status of an engine core whose start failed (its reason went out in the handshake):
 # its supervisor does not restart it.
 STARTUP_FAILED_STATUS = 2
+# The same, when the reason is a setting that cannot work (the core's ValueError): the
+# supervisor exits 2 (a user mistake) rather than 1.
+STARTUP_FAILED_SETTING_STATUS = 4
 
 
 class FrontendAddrs(msgspec.Struct, array_like=True):

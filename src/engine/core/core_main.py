@@ -23,7 +23,11 @@ import msgspec
 
 from ringserve import envs
 from ringserve.config import EngineConfig
-from ringserve.engine.cluster.wire import STARTUP_FAILED_STATUS, ClusterTopology
+from ringserve.engine.cluster.wire import (
+    STARTUP_FAILED_SETTING_STATUS,
+    STARTUP_FAILED_STATUS,
+    ClusterTopology,
+)
 from ringserve.engine.core.core_proc import EngineCoreProc, OutputThreadDied, raise_output_died
 from ringserve.engine.core.sentinel import FaultSentinel
 from ringserve.gpu.executor.base import Executor
@@ -106,7 +110,9 @@ def main(argv: list[str] | None = None) -> int:
         if proc.start_core():
             status = FaultSentinel(proc).run()
         else:
-            status = STARTUP_FAILED_STATUS
+            setting = (proc.start_error.startswith("ValueError: ")
+                       and "ModelDirectoryError" not in proc.start_error)
+            status = STARTUP_FAILED_SETTING_STATUS if setting else STARTUP_FAILED_STATUS
             if topology is not None:  # the supervisor's log says why, before it stops
                 print(f"ringserve: engine core {ns.engine_index} failed to start: "
                       f"{proc.start_error}", file=sys.stderr)
