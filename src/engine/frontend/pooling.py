@@ -10,7 +10,7 @@ is "error" (or "abort"), raised here as for `generate`.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import trio
@@ -62,18 +62,10 @@ class PoolingCollector:
 class AsyncPoolingMethods:
     """`encode`, for `AsyncLLM` (a mixin: it uses the engine's `add_request` and abort)."""
 
+    # What the mixin uses of `AsyncLLM` (declared, not stubbed: AsyncLLM defines them).
     _ids: Any
-
-    async def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams,
-                          *, priority: int = 0, data_parallel_rank: int | None = None,
-                          pooling_params: PoolingParams | None = None,
-                          collector: Any = None) -> Any:
-        """Implemented by `AsyncLLM`."""
-        raise NotImplementedError
-
-    def _abort_now(self, request_ids: list[str]) -> None:
-        """Implemented by `AsyncLLM`."""
-        raise NotImplementedError
+    add_request: Callable[..., Awaitable[Any]]
+    _abort_now: Callable[[list[str]], None]
 
     async def encode(self, prompt: PromptType, pooling_params: PoolingParams,
                      request_id: str | None = None, *, priority: int = 0,
