@@ -472,6 +472,36 @@ class LoRAConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class MultiModalConfig:
+    """Images in (issue 44; `ringserve.gpu.multimodal`), set for a vision-language model.
+
+    Attributes:
+        family: the vision family ("qwen2_vl", "qwen2_5_vl", "gemma3", "idefics3").
+        limit_per_prompt: the most images one prompt may hold (`--limit-mm-per-prompt`).
+        encoder_cache_size: encoder output rows the workers keep (`--encoder-cache-size`).
+        max_num_encoder_input_tokens: encoder output rows one step may produce.
+        no_split: an image is never split across steps (its tokens attend both ways).
+        processor_cache_gb: the frontend's processed-image cache (`--mm-processor-cache-gb`;
+            0: off).
+        allowed_local_media_path: `file://` URLs are read only under it (None: refused).
+        allowed_media_domains: hosts `http(s)` URLs may name (None: any).
+        media_fetch_timeout: seconds one fetch may take (`--media-fetch-timeout`).
+        max_image_pixels: the pixel cap (None: Pillow's decompression-bomb limit).
+    """
+
+    family: str
+    limit_per_prompt: int = 1
+    encoder_cache_size: int = 8192
+    max_num_encoder_input_tokens: int = 8192
+    no_split: bool = False
+    processor_cache_gb: float = 4.0
+    allowed_local_media_path: str | None = None
+    allowed_media_domains: tuple[str, ...] | None = None
+    media_fetch_timeout: float = 10.0
+    max_image_pixels: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
 class EngineConfig:
     """The whole configuration of one engine, passed from the edge to every layer."""
 
@@ -495,3 +525,5 @@ class EngineConfig:
     pooler_config: PoolerConfig | None = None
     # Multi-LoRA serving (`--enable-lora`; None: off).
     lora_config: LoRAConfig | None = None
+    # Images in (a vision-language model; None: text only).
+    multimodal_config: MultiModalConfig | None = None

@@ -81,8 +81,6 @@ NO_EFFECT: tuple[NoEffect, ...] = (
              "behind --admin-api-key"),
     NoEffect(("--swap-space",), "a preempted request is recomputed; nothing is swapped to "
              "CPU memory", takes_value=True),
-    NoEffect(("--limit-mm-per-prompt",), "ringserve serves text-only models: no multimodal "
-             "inputs to limit", takes_value=True),
     NoEffect(("--enable-reasoning",), "--reasoning-parser alone turns reasoning output on, "
              "as in vLLM since 0.9"),
     NoEffect(("--disable-custom-all-reduce",), "tensor-parallel all-reduce is "

@@ -18,7 +18,11 @@ SUPPORTED_ARCHITECTURES: tuple[str, ...] = (
     "Qwen3ForCausalLM",
     "Gemma2ForCausalLM",
     "Gemma3ForCausalLM",
-    "Gemma3ForConditionalGeneration",  # served as text only
+    # Vision-language models (images in: `ringserve.gpu.multimodal`).
+    "Gemma3ForConditionalGeneration",
+    "Qwen2VLForConditionalGeneration",
+    "Qwen2_5_VLForConditionalGeneration",
+    "Idefics3ForConditionalGeneration",
     "Phi3ForCausalLM",
     "Qwen3MoeForCausalLM",
     "Qwen2MoeForCausalLM",

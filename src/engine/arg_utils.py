@@ -45,6 +45,7 @@ from ringserve.engine.flag_values import (
     quantization_method,
 )
 from ringserve.errors import ModelDirectoryError
+from ringserve.gpu.multimodal.engine_config import multimodal_config
 from ringserve.gpu.pooling.engine_config import PoolingSettings, pooling_settings
 from ringserve.gpu.spec_decode.config import (
     parse_speculative_config,
@@ -133,6 +134,14 @@ class EngineArgs:
     max_lora_rank: int = 16
     max_cpu_loras: int | None = None
     lora_dtype: str = "auto"
+    # Images in (`ringserve.gpu.multimodal`; vLLM's flags).
+    limit_mm_per_prompt: str | dict[str, Any] | None = None
+    encoder_cache_size: int | None = None
+    mm_processor_cache_gb: float = 4.0
+    allowed_local_media_path: str | None = None
+    allowed_media_domains: list[str] | None = None
+    media_fetch_timeout: float = 10.0
+    max_image_pixels: int | None = None
 
     # -- CLI -------------------------------------------------------------------------------
 
@@ -250,6 +259,19 @@ class EngineArgs:
                         "rows run eagerly (the captured decode step serves base-only steps)",
                         lora.max_loras, lora.max_lora_rank)
             config = dataclasses.replace(config, lora_config=lora)
+        images = multimodal_config(
+            model_config, max_num_batched_tokens=config.scheduler_config.max_num_batched_tokens,
+            limit_mm_per_prompt=self.limit_mm_per_prompt,
+            encoder_cache_size=self.encoder_cache_size,
+            mm_processor_cache_gb=self.mm_processor_cache_gb,
+            allowed_local_media_path=self.allowed_local_media_path,
+            allowed_media_domains=self.allowed_media_domains,
+            media_fetch_timeout=self.media_fetch_timeout, max_image_pixels=self.max_image_pixels)
+        if images is not None:
+            if speculative_config is not None or pooling is not None or lora is not None:
+                raise ValueError("limit_mm_per_prompt: images with speculative decoding, "
+                                 "pooling or LoRA are not supported in this version")
+            config = dataclasses.replace(config, multimodal_config=images)
         if pooling is None:
             return config
         return dataclasses.replace(

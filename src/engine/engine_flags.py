@@ -156,6 +156,19 @@ FLAG_SPECS: tuple[FlagSpec, ...] = (
     FlagSpec("max_lora_rank", "the largest adapter rank", int),
     FlagSpec("max_cpu_loras", "adapters kept read in memory (default: --max-loras)", int),
     FlagSpec("lora_dtype", "the adapters' dtype (on CPU they compute in float32)", str),
+    FlagSpec("limit_mm_per_prompt", "most images per prompt, as JSON: '{\"image\": 2}' "
+             "(default: 1 for a vision-language model)", str),
+    FlagSpec("encoder_cache_size", "image encoder rows the workers keep (default: "
+             "max_num_batched_tokens, raised to the largest image's)", int),
+    FlagSpec("mm_processor_cache_gb", "the frontend's processed-image cache, GiB (0: off)",
+             float),
+    FlagSpec("allowed_local_media_path", "file:// image URLs are read only under this "
+             "directory (default: refused)", str),
+    FlagSpec("allowed_media_domains", "hosts http(s) image URLs may name (default: any)", str,
+             nargs="+"),
+    FlagSpec("media_fetch_timeout", "seconds an image fetch may take", float),
+    FlagSpec("max_image_pixels", "largest image accepted, in pixels (default: Pillow's "
+             "decompression-bomb limit)", int),
     FlagSpec("override_generation_config", "JSON object over the generation config, e.g. "
               "'{\"temperature\": 0.5}'", str),
 )

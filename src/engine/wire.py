@@ -14,6 +14,7 @@ from typing import Any
 import msgspec
 import numpy as np
 
+from ringserve.gpu.multimodal.features import ImageFeature
 from ringserve.gpu.wire import Logprobs
 from ringserve.lora_request import LoRARequest
 from ringserve.pooling_params import PoolingParams
@@ -101,6 +102,8 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=
     pooling_params: PoolingParams | None = None
     # The LoRA adapter the request runs under (`--enable-lora`; None: the base model).
     lora_request: LoRARequest | None = None
+    # The prompt's images, in prompt order (`ringserve.gpu.multimodal`; None: text only).
+    mm_features: list[ImageFeature] | None = None
 
 
 class AddRequest(msgspec.Struct, tag="add", array_like=True, gc=False):
@@ -216,6 +219,8 @@ class SchedulerStats(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
     # LoRA (`--enable-lora`): adapter name -> its running / waiting requests (None: off).
     lora_running: dict[str, int] | None = None
     lora_waiting: dict[str, int] | None = None
+    # Images: the workers' encoder cache in use, 0..1 (None: a text-only model).
+    encoder_cache_usage: float | None = None
 
 
 class EngineStatus(enum.IntEnum):

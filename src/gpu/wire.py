@@ -17,6 +17,7 @@ from typing import Any
 import msgspec
 import numpy as np
 
+from ringserve.gpu.multimodal.features import ImageFeature
 from ringserve.lora_request import LoRARequest
 from ringserve.pooling_params import PoolingParams
 from ringserve.sampling_params import SamplingParams
@@ -52,6 +53,9 @@ class NewRequestData(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
     pooling_params: PoolingParams | None = None
     # The LoRA adapter it runs under (`ringserve.gpu.lora`; None: the base model).
     lora_request: LoRARequest | None = None
+    # Its images with their arrays (`ringserve.gpu.multimodal`; sent once, kept by the
+    # worker until the request finishes, across preemptions).
+    mm_features: list[ImageFeature] | None = None
 
 
 class CachedRequestData(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
@@ -108,6 +112,11 @@ class SchedulerOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fa
     # Draft tokens each request that samples this step should get proposed for the next
     # (0: propose none).
     num_spec_tokens: int = 0
+    # Images (`ringserve.gpu.multimodal.scheduling`): request id -> indices of its images
+    # whose encoder runs this step (before the forward), and the encoder-cache entries to
+    # drop first.
+    encoder_inputs: dict[str, list[int]] = {}
+    free_encoder_ids: list[str] = []
 
 
 class GrammarOutput(msgspec.Struct, array_like=True, gc=False):

@@ -38,6 +38,7 @@ from ringserve.engine.wire import (
 from ringserve.gpu.executor.base import Executor
 from ringserve.gpu.executor.errors import WorkerTimeoutError
 from ringserve.gpu.executor.select import executor_class as select_executor
+from ringserve.gpu.multimodal.scheduling import encoder_books
 from ringserve.gpu.spec_decode.scheduling import SpecScheduling
 from ringserve.gpu.weights import snapshot_dirs as weight_snapshot
 from ringserve.gpu.wire import GrammarOutput, ModelRunnerOutput, SchedulerOutput
@@ -150,6 +151,7 @@ class EngineCore(WeightSyncMixin, PauseSleepMixin):
             structured=self.structured,
             spec=SpecScheduling.from_config(config.speculative_config),
             max_loras=config.lora_config.max_loras if config.lora_config is not None else 0,
+            encoder=encoder_books(config.multimodal_config),
         )
 
     # -- faults --------------------------------------------------------------------------------

@@ -52,6 +52,7 @@ from ringserve.engine.frontend.collector import RequestOutputCollector
 from ringserve.engine.frontend.dp_client import DPLBAsyncMPClient
 from ringserve.engine.frontend.fault_tolerance import FaultStatusReport, check_instruction
 from ringserve.engine.frontend.input_processor import InputProcessor, PromptType
+from ringserve.engine.frontend.multimodal.renderer import RENDER_THREADS
 from ringserve.engine.frontend.output_processor import OutputProcessor
 from ringserve.engine.frontend.pooling import AsyncPoolingMethods
 from ringserve.engine.frontend.rl_api import AsyncRLMethods
@@ -59,6 +60,7 @@ from ringserve.engine.metrics.metrics_reader import Metric
 from ringserve.engine.metrics.stat_loggers import StatLoggerFactory, StatLoggerManager
 from ringserve.engine.metrics.stats import IterationStats
 from ringserve.engine.wire import FAULT_INSTRUCTION_METHOD, EngineCoreRequest
+from ringserve.gpu.multimodal.features import ImageFeature
 from ringserve.lora_request import LoRARequest
 from ringserve.outputs import RequestOutput
 from ringserve.pooling_params import PoolingParams
@@ -92,10 +94,14 @@ class AsyncLLM(AsyncRLMethods, AsyncElasticDPMethods, AsyncPoolingMethods):
         self.input_processor = InputProcessor(
             config.model_config, self.tokenizer,
             config.structured_outputs_config.resolved_backend,
-            pooling=config.pooler_config is not None, lora=config.lora_config)
+            pooling=config.pooler_config is not None, lora=config.lora_config,
+            multimodal=config.multimodal_config)
         self.output_processor = OutputProcessor(self.tokenizer)
         if attach is not None:
             self.output_processor.id_prefix = f"f{attach.client_index}."
+        # The renderer pool: threads preprocessing images (`ringserve.engine.frontend.
+        # multimodal.renderer`; the event loop never waits on an image).
+        self.render_limiter = trio.CapacityLimiter(RENDER_THREADS)
         self.max_num_queued_reqs = config.frontend_config.max_num_queued_reqs
         self.max_num_queued_tokens = config.frontend_config.max_num_queued_tokens
         self._executor = executor
@@ -313,22 +319,30 @@ class AsyncLLM(AsyncRLMethods, AsyncElasticDPMethods, AsyncPoolingMethods):
                        priority: int, data_parallel_rank: int | None,
                        pooling_params: PoolingParams | None = None,
                        lora_request: LoRARequest | None = None,
+                       mm_features: list[ImageFeature] | None = None,
                        ) -> tuple[EngineCoreRequest, str | None]:
         process = self.input_processor.process
+
+        def run() -> tuple[EngineCoreRequest, str | None]:
+            return process(request_id, prompt, params, priority=priority,
+                           data_parallel_rank=data_parallel_rank,
+                           pooling_params=pooling_params, lora_request=lora_request,
+                           mm_features=mm_features)
+
+        if isinstance(prompt, dict) and prompt.get("multi_modal_data") is not None:
+            # Images are loaded and preprocessed in the renderer's threads, never here.
+            return await trio.to_thread.run_sync(run, limiter=self.render_limiter)
         if isinstance(prompt, str) and len(prompt) > _INLINE_TOKENIZE_CHARS:
-            return await trio.to_thread.run_sync(
-                lambda: process(request_id, prompt, params, priority=priority,
-                                data_parallel_rank=data_parallel_rank,
-                                pooling_params=pooling_params, lora_request=lora_request))
-        return process(request_id, prompt, params, priority=priority,
-                       data_parallel_rank=data_parallel_rank, pooling_params=pooling_params,
-                       lora_request=lora_request)
+            return await trio.to_thread.run_sync(run)
+        return run()
 
     async def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams,
                           *, priority: int = 0, data_parallel_rank: int | None = None,
                           pooling_params: PoolingParams | None = None,
                           collector: Any = None,
-                          lora_request: LoRARequest | None = None) -> RequestOutputCollector:
+                          lora_request: LoRARequest | None = None,
+                          mm_features: list[ImageFeature] | None = None,
+                          ) -> RequestOutputCollector:
         """Validate, admit and send a request; returns its collector.
 
         `request_id` is the caller's: it is echoed in every output but need not be unique.
@@ -347,7 +361,8 @@ class AsyncLLM(AsyncRLMethods, AsyncElasticDPMethods, AsyncPoolingMethods):
         """
         client = self._live_client()
         request, text = await self._process(request_id, prompt, params, priority,
-                                            data_parallel_rank, pooling_params, lora_request)
+                                            data_parallel_rank, pooling_params, lora_request,
+                                            mm_features)
         client = self._live_client()  # it may have died while tokenizing
         client.check_accepting()
         self.check_admission(params.n, params.n * len(request.prompt_token_ids))
@@ -378,9 +393,11 @@ class AsyncLLM(AsyncRLMethods, AsyncElasticDPMethods, AsyncPoolingMethods):
                        request_id: str | None = None, *, priority: int = 0,
                        data_parallel_rank: int | None = None,
                        lora_request: LoRARequest | None = None,
+                       mm_features: list[ImageFeature] | None = None,
                        ) -> AsyncIterator[RequestOutput]:
         """Stream a request's outputs (delta, cumulative or final-only per output_kind), under
-        `lora_request`'s adapter when given (`--enable-lora`).
+        `lora_request`'s adapter when given (`--enable-lora`); `mm_features`: a token
+        prompt's images, rendered (`render_chat_images`).
 
         Leaving the loop early, or cancelling the consuming task, aborts the request.
 
@@ -394,7 +411,7 @@ class AsyncLLM(AsyncRLMethods, AsyncElasticDPMethods, AsyncPoolingMethods):
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         collector = await self.add_request(rid, prompt, params, priority=priority,
                                            data_parallel_rank=data_parallel_rank,
-                                           lora_request=lora_request)
+                                           lora_request=lora_request, mm_features=mm_features)
         finished = False
         try:
             while not finished:

@@ -9,10 +9,11 @@ Every problem raises `ValueError` naming what is wrong, before anything reaches 
 from __future__ import annotations
 
 import time
-from typing import Any, TypedDict
+from typing import TYPE_CHECKING, Any, TypedDict
 
-from ringserve.config import LoRAConfig, ModelConfig
+from ringserve.config import LoRAConfig, ModelConfig, MultiModalConfig
 from ringserve.engine.wire import EngineCoreRequest
+from ringserve.gpu.multimodal.features import ImageFeature
 from ringserve.lora_request import LoRARequest
 from ringserve.pooling_params import PoolingParams
 from ringserve.prompt_length import check_prompt_length
@@ -24,7 +25,10 @@ from ringserve.sampling_params import (
 )
 from ringserve.typecheck import check_value
 
-_PROMPT_KEYS = frozenset(("prompt_token_ids", "prompt", "cache_salt"))
+if TYPE_CHECKING:
+    from ringserve.engine.frontend.multimodal.renderer import ImageRenderer
+
+_PROMPT_KEYS = frozenset(("prompt_token_ids", "prompt", "cache_salt", "multi_modal_data"))
 
 
 def _check_request_args(request_id: object, params: object, priority: object,
@@ -49,6 +53,9 @@ class TokensPrompt(TypedDict, total=False):
     prompt_token_ids: list[int]
     prompt: str
     cache_salt: str
+    # {"image": a PIL image or a list of them} (a vision-language model; the prompt holds
+    # one placeholder per image, as vLLM's).
+    multi_modal_data: dict[str, Any]
 
 
 PromptType = str | TokensPrompt
@@ -65,17 +72,25 @@ class InputProcessor:
             requests only; otherwise generation requests only (one runner per engine, as
             vLLM).
         lora: the engine's LoRA limits (`--enable-lora`; None: requests take no adapter).
+        multimodal: the engine's image settings (None: a text-only model); prompts with
+            images are then rendered here (`ringserve.engine.frontend.multimodal`).
     """
 
     def __init__(self, model_config: ModelConfig, tokenizer: Any,
                  structured_backend: str = "xgrammar", *, pooling: bool = False,
-                 lora: LoRAConfig | None = None) -> None:
+                 lora: LoRAConfig | None = None,
+                 multimodal: MultiModalConfig | None = None) -> None:
         self.model_config = model_config
         self.tokenizer = tokenizer
         self.structured_backend = structured_backend
         self.pooling = pooling
         self.lora = lora
         self._adapters: dict[str, Any] = {}  # path -> its checked adapter config
+        self.renderer: ImageRenderer | None = None
+        if multimodal is not None:
+            from ringserve.engine.frontend.multimodal.renderer import ImageRenderer
+
+            self.renderer = ImageRenderer(model_config, multimodal, tokenizer)
 
     def process(
         self,
@@ -88,8 +103,13 @@ class InputProcessor:
         data_parallel_rank: int | None = None,
         pooling_params: PoolingParams | None = None,
         lora_request: LoRARequest | None = None,
+        mm_features: list[ImageFeature] | None = None,
     ) -> tuple[EngineCoreRequest, str | None]:
         """Build the core request; returns it with the prompt text (None for token prompts).
+
+        `mm_features`: the images of a prompt already rendered (a chat's, by
+        `ringserve.engine.frontend.multimodal.renderer`); a prompt's `multi_modal_data` is
+        rendered here.
 
         Raises:
             TypeError: an argument or prompt field of the wrong type (a non-str request id
@@ -116,6 +136,8 @@ class InputProcessor:
         if params.structured_outputs is not None:
             self._check_constraint(params.structured_outputs)
         text, token_ids, cache_salt = self._tokenize(prompt)
+        if isinstance(prompt, dict) and prompt.get("multi_modal_data") is not None:
+            token_ids, mm_features = self._render(prompt, text, token_ids)
         self._check_prompt(token_ids, params)
         request = EngineCoreRequest(
             request_id=request_id,
@@ -127,6 +149,7 @@ class InputProcessor:
             data_parallel_rank=data_parallel_rank,
             pooling_params=pooling_params,
             lora_request=lora_request,
+            mm_features=mm_features or None,
         )
         return request, text
 
@@ -182,6 +205,41 @@ class InputProcessor:
             text, ids, _ = self._tokenize(prompt["prompt"])
             return text, ids, cache_salt
         raise ValueError("prompt: a dict prompt needs 'prompt_token_ids' or 'prompt'")
+
+    def _render(self, prompt: TokensPrompt, text: str | None,
+                token_ids: list[int]) -> tuple[list[int], list[ImageFeature]]:
+        """The prompt's images expanded into its tokens.
+
+        Raises:
+            ValueError: a text-only model, not an image, too many, or placeholders that do
+                not match them.
+        """
+        data = prompt["multi_modal_data"]
+        if not isinstance(data, dict):
+            raise ValueError(f"multi_modal_data: expected a dict such as {{'image': image}}, "
+                             f"got {type(data).__name__}")
+        unknown = sorted(set(map(str, data)) - {"image"})
+        if unknown:
+            raise ValueError(f"multi_modal_data: modality {unknown[0]!r} is not supported; "
+                             "allowed: image")
+        renderer = self.renderer
+        if renderer is None:
+            raise ValueError(f"multi_modal_data: {self.model_config.served_model_name} takes "
+                             "text only")
+        raw = data.get("image")
+        images = list(raw) if isinstance(raw, list | tuple) else [raw]
+        renderer.check_count(len(images))
+        processed = []
+        for i, image in enumerate(images):
+            try:
+                processed.append(renderer.process(renderer.load(image)))
+            except ValueError as exc:
+                raise ValueError(f"multi_modal_data.image[{i}]: {exc}") from None
+        if "prompt_token_ids" in prompt:
+            return renderer.render_tokens(token_ids, processed)
+        if text is None:
+            raise ValueError("multi_modal_data: the prompt needs its text or token ids")
+        return renderer.render_text(text, processed, add_special_tokens=True)
 
     def _check_prompt(self, token_ids: list[int], params: SamplingParams) -> None:
         cfg = self.model_config

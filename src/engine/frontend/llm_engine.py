@@ -56,7 +56,8 @@ class LLMEngine:
         self.input_processor = InputProcessor(
             config.model_config, self.tokenizer,
             config.structured_outputs_config.resolved_backend,
-            pooling=config.pooler_config is not None, lora=config.lora_config)
+            pooling=config.pooler_config is not None, lora=config.lora_config,
+            multimodal=config.multimodal_config)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.engine_core = client if client is not None else _make_client(config, executor_class)
         obs = config.observability_config

@@ -23,7 +23,7 @@ extensions blake2b would be the faster of the two; switching is a one-line chang
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import msgspec
 
@@ -63,6 +63,7 @@ def hash_full_blocks(
     block_size: int,
     start_block: int = 0,
     end_block: int | None = None,
+    extra_keys: Callable[[int, int], bytes] | None = None,
 ) -> list[bytes]:
     """Hash the full blocks `start_block..end_block-1` of `token_ids`, chaining from `parent`.
 
@@ -72,6 +73,9 @@ def hash_full_blocks(
         block_size: tokens per block.
         start_block: the first block to hash.
         end_block: one past the last block to hash (default: every full block).
+        extra_keys: positions `(start, end)` of a block -> bytes hashed with its tokens (the
+            content hashes of the images it holds: `ringserve.gpu.multimodal.features.
+            block_keys`); None: tokens only.
 
     Returns:
         One digest per block, in order.
@@ -80,6 +84,9 @@ def hash_full_blocks(
     append = hashes.append
     stop = len(token_ids) if end_block is None else min(len(token_ids), end_block * block_size)
     for i in range(start_block * block_size, stop - block_size + 1, block_size):
-        parent = _sha256(parent + _encode(token_ids[i : i + block_size])).digest()
+        data = parent + _encode(token_ids[i : i + block_size])
+        if extra_keys is not None:
+            data += extra_keys(i, i + block_size)
+        parent = _sha256(data).digest()
         append(parent)
     return hashes

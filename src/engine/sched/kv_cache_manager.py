@@ -21,6 +21,7 @@ from __future__ import annotations
 from ringserve.engine.sched.block_hash import hash_full_blocks, root_hash
 from ringserve.engine.sched.block_pool import BlockPool
 from ringserve.engine.sched.request import Request
+from ringserve.gpu.multimodal.features import block_keys
 
 __all__ = ["KVCacheManager", "PrefixCacheStats"]
 
@@ -71,7 +72,8 @@ class KVCacheManager:
         """Hash the full blocks of a new request's prompt (prefix caching on only)."""
         if self.enable_caching:
             request.block_hashes = hash_full_blocks(
-                root_hash(request.cache_salt), request.all_token_ids, self.block_size
+                root_hash(request.cache_salt), request.all_token_ids, self.block_size,
+                extra_keys=block_keys(request.mm_features) if request.mm_features else None,
             )
 
     def hash_blocks(self, request: Request, num_blocks: int) -> None:
@@ -81,7 +83,8 @@ class KVCacheManager:
             parent = hashes[-1] if hashes else root_hash(request.cache_salt)
             hashes.extend(
                 hash_full_blocks(
-                    parent, request.all_token_ids, self.block_size, len(hashes), num_blocks
+                    parent, request.all_token_ids, self.block_size, len(hashes), num_blocks,
+                    block_keys(request.mm_features) if request.mm_features else None,
                 )
             )
 

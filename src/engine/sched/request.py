@@ -20,6 +20,7 @@ from ringserve.engine.wire import (
     EngineCoreRequest,
     FinishReason,
 )
+from ringserve.gpu.multimodal.features import ImageFeature
 from ringserve.lora_request import LoRARequest
 from ringserve.pooling_params import PoolingParams
 from ringserve.sampling_params import SamplingParams
@@ -105,6 +106,8 @@ class Request:
             one token that is never sampled, and ends with the pooler's output.
         lora_request: the LoRA adapter it runs under (None: the base model); its identity
             is one of the request's prefix-cache keys, as a salt is.
+        mm_features: its images (`ringserve.gpu.multimodal`; None: text only); their
+            identifiers are the prefix-cache keys of the blocks they touch.
     """
 
     __slots__ = (
@@ -120,6 +123,7 @@ class Request:
         "lora_request",
         "max_tokens",
         "min_tokens",
+        "mm_features",
         "num_cached_blocks",
         "num_cached_tokens",
         "num_computed_tokens",
@@ -156,8 +160,10 @@ class Request:
         client_index: int = 0,
         pooling_params: PoolingParams | None = None,
         lora_request: LoRARequest | None = None,
+        mm_features: list[ImageFeature] | None = None,
     ) -> None:
         self.request_id = request_id
+        self.mm_features = mm_features
         self.pooling_params = pooling_params
         self.lora_request = lora_request
         if lora_request is not None:
@@ -221,6 +227,7 @@ class Request:
             client_index=request.client_index,
             pooling_params=request.pooling_params,
             lora_request=request.lora_request,
+            mm_features=request.mm_features,
         )
 
     @property

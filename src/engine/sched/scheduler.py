@@ -41,6 +41,8 @@ from ringserve.engine.wire import (
     EngineCoreRequest,
     FinishReason,
 )
+from ringserve.gpu.multimodal.features import check_features
+from ringserve.gpu.multimodal.scheduling import EncoderBooks
 from ringserve.gpu.spec_decode.scheduling import SpecScheduling
 from ringserve.gpu.wire import CachedRequestData, NewRequestData, SchedulerOutput
 from ringserve.sampling_params import StructuredOutputsParams
@@ -104,6 +106,8 @@ class Scheduler(BooksMixin):
         max_loras: the LoRA adapters one step may hold (`--max-loras`; 0: LoRA is off). A
             waiting request whose adapter would be one too many waits, and so does every
             request after it (first come, first served within the slot limit).
+        encoder: the image encoder's budget and cache books
+            (`ringserve.gpu.multimodal.scheduling`); None: a text-only model.
 
     Raises:
         ValueError: a budget or limit below 1, or too few blocks.
@@ -121,6 +125,7 @@ class Scheduler(BooksMixin):
         structured: GrammarSource | None = None,
         spec: SpecScheduling | None = None,
         max_loras: int = 0,
+        encoder: EncoderBooks | None = None,
     ) -> None:
         cfg = scheduler_config
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
@@ -153,6 +158,7 @@ class Scheduler(BooksMixin):
         self.structured = structured
         self.spec = spec
         self.max_loras = max_loras
+        self.encoder = encoder
         self._lookahead = spec.lookahead if spec is not None else 0
         # Constrained requests whose grammar is still compiling (not in `waiting` yet).
         self.waiting_for_grammar: list[Request] = []
@@ -199,6 +205,8 @@ class Scheduler(BooksMixin):
             request, max_model_len=self.max_model_len, eos_token_ids=self.eos_token_ids
         )
         problem = self.limits.problem(req.num_prompt_tokens)
+        if problem is None and req.mm_features:
+            problem = self._image_problem(req)
         if problem is not None:
             req.status = RequestStatus.FINISHED_ERROR
             req.error = problem
@@ -221,6 +229,17 @@ class Scheduler(BooksMixin):
         if self.log_stats:
             req.record_event(EngineCoreEventType.QUEUED, time.monotonic())
 
+    def _image_problem(self, req: Request) -> str | None:
+        """Why a request's images can never be served here, or None."""
+        if self.encoder is None:
+            return "holds images, but this model takes text only"
+        features = req.mm_features or []
+        try:
+            check_features(features, req.num_prompt_tokens)
+        except ValueError as exc:
+            return str(exc)
+        return self.encoder.check(features, self.max_num_batched_tokens)
+
     # -- scheduling ----------------------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:
@@ -236,6 +255,8 @@ class Scheduler(BooksMixin):
         if self.waiting_for_grammar:
             self._admit_compiled()
         step = _Step(self._step_id, self.max_num_batched_tokens)
+        if self.encoder is not None:
+            self.encoder.begin_step()
         self._schedule_running(step)
         if not step.preempted:
             self._schedule_waiting(step)
@@ -264,6 +285,7 @@ class Scheduler(BooksMixin):
         allocate = partial(kv.allocate_slots, cache_blocks=False)
         threshold = self.long_prefill_token_threshold
         spec, lookahead = self.spec, self._lookahead
+        encoder = self.encoder
         i = 0
         while i < len(running) and step.budget > 0:
             req = running[i]
@@ -278,6 +300,8 @@ class Scheduler(BooksMixin):
                 n = threshold
             if n > step.budget:
                 n = step.budget
+            if encoder is not None and req.mm_features:
+                n = encoder.fit(req, req.num_computed_tokens, n)
             if n <= 0:
                 i += 1
                 continue
@@ -350,6 +374,8 @@ class Scheduler(BooksMixin):
     def _preempt(self, req: Request, step: _Step) -> None:
         step.unschedule(req)
         self.kv_cache_manager.free(req)
+        if self.encoder is not None:
+            self.encoder.release(req)
         req.status = _PREEMPTED
         req.num_computed_tokens = 0
         req.num_output_placeholders = 0
@@ -384,10 +410,18 @@ class Scheduler(BooksMixin):
                 if not self.enable_chunked_prefill and n <= self.max_num_batched_tokens:
                     break  # waits for a step with the whole budget free
                 n = step.budget
+            if self.encoder is not None and req.mm_features:
+                wanted = n
+                n = self.encoder.fit(req, num_hit_tokens, n)
+                if n <= 0 or (n < wanted and not self.enable_chunked_prefill):
+                    self.encoder.cancel(req)
+                    break  # its images wait for encoder budget or cache room
             ahead = self._lookahead_for(req, n, num_hit_tokens) if self._lookahead else 0
             if (kv.allocate_slots(req, n, ahead, new_computed_blocks=hit_blocks) is None
                     and (not ahead or kv.allocate_slots(
                         req, n, 0, new_computed_blocks=hit_blocks) is None)):
+                if self.encoder is not None:
+                    self.encoder.cancel(req)
                 if running:
                     break
                 waiting.pop()  # nothing else holds blocks: it can never fit
@@ -467,8 +501,11 @@ class Scheduler(BooksMixin):
                     req.num_computed_tokens,
                     pooling_params=req.pooling_params,
                     lora_request=req.lora_request,
+                    mm_features=req.mm_features,
                 )
             )
+            if req.mm_features:  # the workers keep the arrays from here on
+                req.mm_features = [f.without_data() for f in req.mm_features]
             if _advance(req, num_scheduled[req.request_id]) and req.grammar is not None:
                 grammar_ids.append(req.request_id)
         finished = self._finished_req_ids
@@ -476,6 +513,7 @@ class Scheduler(BooksMixin):
         num_spec = 0
         if self.spec is not None:
             num_spec = self.spec.begin_step(len(self.running), bool(step.spec))
+        encodes, freed = self.encoder.take_step() if self.encoder is not None else ({}, [])
         return SchedulerOutput(
             step_id=step.step_id,
             scheduled_new_reqs=new_reqs,
@@ -487,6 +525,8 @@ class Scheduler(BooksMixin):
             grammar_req_ids=grammar_ids,
             spec_token_ids=step.spec,
             num_spec_tokens=num_spec,
+            encoder_inputs=encodes,
+            free_encoder_ids=freed,
         )
 
 def _advance(req: Request, n: int) -> bool:

@@ -21,6 +21,7 @@ from ringserve.engine.wire import (
     FinishReason,
     SchedulerStats,
 )
+from ringserve.gpu.multimodal.scheduling import EncoderBooks
 from ringserve.gpu.wire import ModelRunnerOutput, SchedulerOutput
 
 __all__ = ["BooksMixin"]
@@ -36,6 +37,7 @@ class BooksMixin(OutputMixin):
     waiting_for_grammar: list[Request]
     max_num_seqs: int
     max_loras: int
+    encoder: EncoderBooks | None
     _finished_req_ids: list[str]
     _invalidated: list[str]
     _taken_back: set[str]
@@ -111,6 +113,8 @@ class BooksMixin(OutputMixin):
             for req in self.requests.values():
                 req.error = error
         self.finish_requests(list(self.requests), reason, notify=True)
+        if self.encoder is not None:
+            self.encoder.reset()  # a fault: the workers' encoder cache may be gone
         return self.take_pending_outputs()
 
     def _fail(self, req: Request, problem: str) -> None:
@@ -122,6 +126,8 @@ class BooksMixin(OutputMixin):
 
     def _free_request(self, req: Request) -> None:
         self.kv_cache_manager.free(req)
+        if self.encoder is not None:
+            self.encoder.release(req)
         del self.requests[req.request_id]
         if req.was_scheduled:
             self._finished_req_ids.append(req.request_id)
@@ -182,6 +188,8 @@ class BooksMixin(OutputMixin):
         running = list(self.running)
         for req in reversed(running):  # prepended in reverse: the queue keeps their order
             self.kv_cache_manager.free(req)
+            if self.encoder is not None:
+                self.encoder.release(req)
             req.status = _PREEMPTED
             req.num_computed_tokens = 0
             req.num_output_placeholders = 0
@@ -250,6 +258,8 @@ class BooksMixin(OutputMixin):
         for req in reversed(unadmitted):  # prepended in reverse: the queue keeps their order
             req.num_computed_tokens = 0  # nothing of this step was written: nothing to cache
             kv.free(req)
+            if self.encoder is not None:
+                self.encoder.release(req)
             req.status = _PREEMPTED
             req.num_output_placeholders = 0
             self.waiting.prepend(req)
@@ -281,6 +291,7 @@ class BooksMixin(OutputMixin):
             spec_decoding=self.spec.take_stats() if self.spec is not None else None,
             lora_running=_adapter_counts(self.running) if self.max_loras else None,
             lora_waiting=_adapter_counts(self.waiting) if self.max_loras else None,
+            encoder_cache_usage=self.encoder.usage if self.encoder is not None else None,
         )
 
     def check_invariants(self) -> None:

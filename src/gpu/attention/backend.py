@@ -137,11 +137,16 @@ class TorchAttentionBackend:
             ValueError: a bad window or soft-cap (`torch_ref.check_options`).
         """
         torch_ref.check_options(sliding_window, logits_soft_cap)
-        return torch_ref.paged_attention(
+        out = torch_ref.paged_attention(
             query, kv_cache, meta, scale, self.plans.get(meta, kv_cache, sliding_window),
             sliding_window=sliding_window, logits_soft_cap=logits_soft_cap,
             prefill_dtype=self.prefill_dtype,
         )
+        if meta.image_spans:
+            torch_ref.attend_image_spans(query, kv_cache, meta, scale, out,
+                                         sliding_window=sliding_window,
+                                         logits_soft_cap=logits_soft_cap)
+        return out
 
 
 class CpuAttentionBackend(TorchAttentionBackend):
@@ -200,6 +205,10 @@ class CpuAttentionBackend(TorchAttentionBackend):
         torch_ref.attend_requests(query, kv_cache, meta, plan.requests, scale, out,
                                   sliding_window=sliding_window, logits_soft_cap=logits_soft_cap,
                                   prefill_dtype=self.prefill_dtype)
+        if meta.image_spans:
+            torch_ref.attend_image_spans(query, kv_cache, meta, scale, out,
+                                         sliding_window=sliding_window,
+                                         logits_soft_cap=logits_soft_cap)
         return out
 
 
@@ -233,8 +242,13 @@ class TritonAttentionBackend:
         """
         from ringserve.gpu.attention.triton_kernels import paged_attention
 
-        return paged_attention(query, kv_cache, meta, scale, sliding_window=sliding_window,
-                               logits_soft_cap=logits_soft_cap)
+        out = paged_attention(query, kv_cache, meta, scale, sliding_window=sliding_window,
+                              logits_soft_cap=logits_soft_cap)
+        if meta.image_spans:
+            torch_ref.attend_image_spans(query, kv_cache, meta, scale, out,
+                                         sliding_window=sliding_window,
+                                         logits_soft_cap=logits_soft_cap)
+        return out
 
 
 _warned_triton = False

@@ -31,6 +31,11 @@ class AttentionMetadata:
         max_seq_len: the longest sequence in the batch.
         query_start_loc_cpu: host copy of `query_start_loc`.
         seq_lens_cpu: host copy of `seq_lens`.
+        image_spans: (request index, first position, end position) of the images whose
+            tokens attend to each other in both directions (Gemma 3), each ending inside its
+            request's new tokens (its earlier positions may be cached: a prefix hit); the
+            rows computed this step are corrected (`ringserve.gpu.multimodal`). Empty:
+            causal everywhere.
     """
 
     slot_mapping: torch.Tensor
@@ -42,3 +47,4 @@ class AttentionMetadata:
     max_seq_len: int
     query_start_loc_cpu: list[int]
     seq_lens_cpu: list[int]
+    image_spans: tuple[tuple[int, int, int], ...] = ()

@@ -398,6 +398,35 @@ def _prefill(
         out[a:b] = attn[0].transpose(0, 1)
 
 
+def attend_image_spans(query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
+                       scale: float, out: torch.Tensor, *, sliding_window: int | None = None,
+                       logits_soft_cap: float | None = None) -> None:
+    """Attend the rows of `meta.image_spans` again, into `out`: a row of an image sees
+    what causal attention (in its window) shows it and every key of its own image, as
+    transformers' Gemma 3 mask does (`or` of the two). Every backend's causal result is
+    corrected this way; the spans are short (one image's tokens)."""
+    qsl, lens = meta.query_start_loc_cpu, meta.seq_lens_cpu
+    block_size = kv_cache.shape[2]
+    for i, first, end in meta.image_spans:
+        seq_len, start = lens[i], qsl[i]
+        context = seq_len - (qsl[i + 1] - start)  # the position of the request's row 0
+        rows = max(first, context)  # the image's first position computed this step
+        blocks = meta.block_table[i, : -(-end // block_size)].to(torch.int64)
+        k = kv_cache[0].index_select(0, blocks).flatten(0, 1)[:end].transpose(0, 1)
+        v = kv_cache[1].index_select(0, blocks).flatten(0, 1)[:end].transpose(0, 1)
+        q = query[start + rows - context: start + end - context].transpose(0, 1)
+        mask = _tile_mask(rows, end, 0, end, sliding_window, query.device)
+        mask[:, first:end] = True
+        if logits_soft_cap is None:
+            attn = F.scaled_dot_product_attention(q[None], k.to(q.dtype)[None],
+                                                  v.to(q.dtype)[None], attn_mask=mask,
+                                                  scale=scale, enable_gqa=True)
+        else:
+            attn = _capped(q[None], k.to(q.dtype)[None], v.to(q.dtype)[None], mask[None],
+                           scale, logits_soft_cap)
+        out[start + rows - context: start + end - context] = attn[0].transpose(0, 1)
+
+
 def _tile_mask(row_start: int, row_end: int, key_start: int, key_end: int,
                sliding_window: int | None, device: torch.device) -> torch.Tensor:
     """bool [rows, keys]: True where the query at position row_start + i sees the key at

@@ -98,6 +98,8 @@ def rope_parameters(hf_config: dict[str, Any], layer_type: str | None = None) ->
     """
     entry, theta_default = _rope_entry(hf_config, layer_type)
     rope_type = str(entry.get("rope_type") or entry.get("type") or "default")
+    if rope_type == "mrope" and entry.get("mrope_section"):
+        rope_type = "default"  # Qwen2-VL's legacy name: default frequencies, sectioned positions
     if rope_type == "su" or (rope_type == "yarn" and hf_config.get("model_type") == "phi3"):
         rope_type = "longrope"
     if rope_type not in SUPPORTED_ROPE_TYPES:
@@ -366,6 +368,10 @@ class RotaryEmbedding(nn.Module):
             )
         self.register_buffer("cos_sin", table, persistent=False)
         self._last: tuple[torch.Tensor, torch.Tensor] | None = None
+        # M-RoPE (Qwen2-VL): frequency sections rotated by the temporal, height and width
+        # position streams in turn; positions then come as [3, T] for image tokens.
+        section = params.get("mrope_section")
+        self.mrope_section: list[int] | None = [int(x) for x in section] if section else None
 
     def forward(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
@@ -380,6 +386,9 @@ class RotaryEmbedding(nn.Module):
         cached = self._last
         if cached is not None and cached[0] is positions and cached[1].dtype == x.dtype:
             table = cached[1]
+        elif positions.dim() == 2:
+            table = self._mrope_table(positions).to(x.dtype).unsqueeze(2)
+            self._last = (positions, table)
         else:
             table = self.cos_sin[:, positions].to(x.dtype).unsqueeze(2)
             self._last = (positions, table)
@@ -388,6 +397,17 @@ class RotaryEmbedding(nn.Module):
             return x * cos + _rotate_half(x) * sin
         rot, rest = x[..., : self.rotary_dim], x[..., self.rotary_dim :]
         return torch.cat((rot * cos + _rotate_half(rot) * sin, rest), dim=-1)
+
+
+    def _mrope_table(self, positions: torch.Tensor) -> torch.Tensor:
+        """cos/sin [2, T, D] for M-RoPE positions [3, T]: each section of frequencies (in
+        both halves of the head, as transformers splits the duplicated table) takes its
+        stream's position."""
+        if self.mrope_section is None:
+            raise ValueError("positions [3, T] need an M-RoPE model (mrope_section)")
+        tables = self.cos_sin[:, positions]  # [2, 3, T, D]
+        parts = torch.split(tables, self.mrope_section * 2, dim=-1)
+        return torch.cat([part[:, i % 3] for i, part in enumerate(parts)], dim=-1)
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:

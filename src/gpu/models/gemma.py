@@ -10,8 +10,9 @@ query and key head (Gemma-style RMSNorm) and gives its sliding layers their own 
 (`rope_parameters["sliding_attention"]`, the old `rope_local_base_freq`). Gemma 3's attention
 never soft-caps, whatever the config says: transformers does not pass the cap on either.
 
-Only the text model (`Gemma3ForCausalLM`, config `gemma3_text`) is served; the multimodal
-`Gemma3ForConditionalGeneration` is not. Registered in `ringserve.gpu.models.registry`; the
+Only the text model (`Gemma3ForCausalLM`, config `gemma3_text`) is here; the multimodal
+`Gemma3ForConditionalGeneration` is in `ringserve.gpu.multimodal.models`. Registered in
+`ringserve.gpu.models.registry`; the
 logits every consumer sees (sampler, logprobs, grammar masks) come from `compute_logits`, so
 they are the capped ones, as transformers returns them.
 """
@@ -19,7 +20,7 @@ they are the capped ones, as transformers returns them.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -34,7 +35,13 @@ from ringserve.gpu.layers.norm import RMSNorm
 from ringserve.gpu.layers.parallel import TPGroup
 from ringserve.gpu.layers.rotary import RotaryEmbedding, rope_parameters
 from ringserve.gpu.layers.vocab_embedding import VocabParallelEmbedding
-from ringserve.gpu.models.llama import DecoderStack, LlamaAttention, LlamaForCausalLM, LlamaMLP
+from ringserve.gpu.models.llama import (
+    DecoderStack,
+    LlamaAttention,
+    LlamaForCausalLM,
+    LlamaMLP,
+    replace_rows,
+)
 from ringserve.gpu.models.spec import DecoderSpec
 
 GemmaFamily = Literal["gemma2", "gemma3"]
@@ -211,6 +218,7 @@ class GemmaModel(nn.Module):
         )
         self.norm = GemmaRMSNorm(spec.hidden_size, spec.rms_norm_eps, spec.dtype)
         self.between_layers: Callable[[], None] | None = None  # as LlamaModel's
+        self.embed_rows: tuple[torch.Tensor, torch.Tensor] | None = None  # as LlamaModel's
 
     def _rotary_for(self, layer_type: str) -> RotaryEmbedding:
         if layer_type == SLIDING and self.rotary_local is not None:
@@ -220,7 +228,10 @@ class GemmaModel(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
         """Final hidden states [T, hidden] for a flat batch of tokens."""
-        hidden = self.embed_tokens.forward(input_ids) * self.embed_scale
+        # Image rows replace the scaled embeddings (transformers scales token embeddings
+        # only).
+        hidden = replace_rows(self.embed_tokens.forward(input_ids) * self.embed_scale,
+                              self.embed_rows)
         between = self.between_layers
         for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
             assert isinstance(layer, GemmaDecoderLayer)
@@ -276,34 +287,3 @@ class Gemma3ForCausalLM(_GemmaForCausalLM):
     """Gemma 3 text: per-head q/k norms, a local rope table for the sliding layers."""
 
     family: GemmaFamily = "gemma3"
-
-
-# Checkpoint prefixes of Gemma 3's multimodal checkpoints: transformers 5 saves
-# `model.language_model.*`, earlier versions (and the published google/gemma-3-*-it files)
-# `language_model.model.*` and `language_model.lm_head.*`.
-_TEXT_PREFIXES = (("model.language_model.", "model."), ("language_model.model.", "model."),
-                  ("language_model.lm_head.", "lm_head."))
-_VISION_PREFIXES = ("model.vision_tower.", "vision_tower.", "model.multi_modal_projector.",
-                    "multi_modal_projector.")
-
-
-class Gemma3ForConditionalGeneration(Gemma3ForCausalLM):
-    """A multimodal Gemma 3 checkpoint (4B and larger) served as text only: its language model
-    under Gemma 3 text's names; the vision tower and projector tensors are skipped (images are
-    not supported, so nothing reads them). Its config's `text_config` is read as the model's
-    config (`ringserve.config` merges it over the top level)."""
-
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """`Gemma3ForCausalLM.load_weights` on the language model's tensors, renamed."""
-
-        def text_only() -> Iterator[tuple[str, torch.Tensor]]:
-            for name, tensor in weights:
-                if name.startswith(_VISION_PREFIXES):
-                    continue
-                for old, new in _TEXT_PREFIXES:
-                    if name.startswith(old):
-                        name = new + name[len(old):]
-                        break
-                yield name, tensor
-
-        super().load_weights(text_only())

@@ -183,6 +183,9 @@ class LlamaModel(nn.Module):
         # Run between layers of an eager forward (the model runner's pause check:
         # `ringserve.gpu.runner.decode_capture.abort_check`); None: nothing.
         self.between_layers: Callable[[], None] | None = None
+        # Rows that replace token embeddings in the next eager forward (images:
+        # `ringserve.gpu.multimodal.runner_seam`): (token rows, embeddings); None: none.
+        self.embed_rows: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def forward(
         self,
@@ -193,7 +196,7 @@ class LlamaModel(nn.Module):
     ) -> torch.Tensor:
         """Final hidden states [T, hidden] for a flat batch of tokens (`between_layers`, when
         set, runs before every layer after the first and may raise to end the step)."""
-        hidden = self.embed_tokens.forward(input_ids)
+        hidden = replace_rows(self.embed_tokens.forward(input_ids), self.embed_rows)
         between = self.between_layers
         for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
             assert isinstance(layer, LlamaDecoderLayer)
@@ -203,12 +206,23 @@ class LlamaModel(nn.Module):
         return self.norm.forward(hidden)
 
 
+def replace_rows(hidden: torch.Tensor,
+                 rows: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+    """`hidden` with the rows `rows[0]` replaced by `rows[1]` (an image's embeddings in
+    place of its placeholder tokens'); `hidden` itself when `rows` is None."""
+    if rows is None:
+        return hidden
+    index, values = rows
+    return hidden.index_copy(0, index, values.to(hidden.dtype))
+
+
 class DecoderStack(Protocol):
     """What `LlamaForCausalLM` needs of its decoder (`LlamaModel`, or a family's own stack
     such as Gemma's): the token embedding, which a tied LM head shares, and the forward."""
 
     embed_tokens: VocabParallelEmbedding
     between_layers: Callable[[], None] | None
+    embed_rows: tuple[torch.Tensor, torch.Tensor] | None
 
     def forward(
         self,

@@ -8,11 +8,7 @@ from __future__ import annotations
 
 from ringserve.checkpoint.support import DECODER_BASE_ARCHITECTURES, POOLING_ONLY_ARCHITECTURES
 from ringserve.config import SUPPORTED_ARCHITECTURES
-from ringserve.gpu.models.gemma import (
-    Gemma2ForCausalLM,
-    Gemma3ForCausalLM,
-    Gemma3ForConditionalGeneration,
-)
+from ringserve.gpu.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM
 from ringserve.gpu.models.llama import LlamaForCausalLM
 from ringserve.gpu.models.mistral import MistralForCausalLM
 from ringserve.gpu.models.moe import (
@@ -22,6 +18,7 @@ from ringserve.gpu.models.moe import (
 )
 from ringserve.gpu.models.phi3 import Phi3ForCausalLM
 from ringserve.gpu.models.qwen import Qwen2ForCausalLM, Qwen3ForCausalLM
+from ringserve.gpu.multimodal.models import VISION_MODEL_CLASSES
 
 MODEL_CLASSES: dict[str, type[LlamaForCausalLM]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
@@ -30,12 +27,13 @@ MODEL_CLASSES: dict[str, type[LlamaForCausalLM]] = {
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
     "Gemma2ForCausalLM": Gemma2ForCausalLM,
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
-    "Gemma3ForConditionalGeneration": Gemma3ForConditionalGeneration,
     "Phi3ForCausalLM": Phi3ForCausalLM,
     "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
     "Qwen2MoeForCausalLM": Qwen2MoeForCausalLM,
     "MixtralForCausalLM": MixtralForCausalLM,
 }
+# Vision-language models (`ringserve.gpu.multimodal`): the text model with its tower.
+MODEL_CLASSES.update(VISION_MODEL_CLASSES)
 # A decoder saved as its base model (pooling only) runs as its causal-LM class, LM head tied.
 MODEL_CLASSES.update({base: MODEL_CLASSES[causal]
                       for base, causal in DECODER_BASE_ARCHITECTURES.items()})

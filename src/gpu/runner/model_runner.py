@@ -34,6 +34,7 @@ from ringserve.gpu.lora.manager import LoRAManager
 from ringserve.gpu.models.llama import LlamaForCausalLM
 from ringserve.gpu.models.moe import MoeForCausalLM
 from ringserve.gpu.moe.layer import FusedMoE
+from ringserve.gpu.multimodal.models import image_seam, vision_of
 from ringserve.gpu.native import panel as panel_native
 from ringserve.gpu.pooling.decoder import DecoderPooler
 from ringserve.gpu.runner.decode_capture import DecodeCapture, StepAborted, abort_check
@@ -125,6 +126,8 @@ class ModelRunner:
         # LoRA adapters (`ringserve.gpu.lora`; None: off).
         self.lora = (LoRAManager(config.lora_config, config.model_config, device)
                      if config.lora_config is not None else None)
+        # Images (`ringserve.gpu.multimodal`; None: a text-only model).
+        self.images = image_seam(config, device)
 
     def _new_table(self) -> RequestTable:
         config = self.config
@@ -160,6 +163,8 @@ class ModelRunner:
             self.pooler.load_head(config, self.device)
         if self.lora is not None:
             self.lora.install(self._model)
+        if self.images is not None:
+            self.images.attach(vision_of(self._model))
         self._attach_expert_load()  # a reload keeps counting into the same tensors
         if self.proposer is None:
             self.proposer = make_proposer(self.config, self.device, self.tp, self.backend)
@@ -318,9 +323,14 @@ class ModelRunner:
             inputs = prepare_inputs(self.table, req_ids, num_scheduled, self.device)
         if self.lora is not None:  # which rows run under which adapter
             self.request_errors.update(self.lora.prepare(inputs.req_ids, inputs.num_scheduled))
+        image_rows, eager = None, False
+        if self.images is not None:
+            inputs, image_rows, eager = self.images.prepare(inputs, self.table,
+                                                            self.request_errors)
+        self.model.model.embed_rows = image_rows
         # The captured step reads the panels directly: a step with LoRA rows runs eagerly.
         if (self.capture is not None and (self.lora is None or not self.lora.batch.active)
-                and self.capture.accepts(inputs)):
+                and not eager and self.capture.accepts(inputs)):
             try:
                 hidden = self.capture.run(inputs, self.abort_flag)
             except StepAborted:  # a pause came mid-step: taken back like a skipped step
@@ -431,6 +441,8 @@ class ModelRunner:
                       torch.tensor(logit_rows, dtype=torch.int64, device=logits.device))
 
     def _apply_diff(self, so: SchedulerOutput) -> None:
+        if self.images is not None:
+            self.images.apply_diff(so, self.request_errors)
         if self.pooler is not None:
             self.pooler.apply_diff(so)
         if self.lora is not None:
