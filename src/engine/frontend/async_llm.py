@@ -280,6 +280,9 @@ class AsyncLLM(AsyncRLMethods, AsyncElasticDPMethods, AsyncPoolingMethods):
                 if stat_loggers is not None:
                     stat_loggers.record(batch.scheduler_stats, iteration_stats,
                                         batch.engine_index)
+                    renderer = self.input_processor.renderer
+                    if renderer is not None:
+                        stat_loggers.record_mm_cache(*renderer.take_cache_stats())
         except EngineDeadError as exc:
             # Fail every pending request now; run() re-raises after the nursery has closed
             # (raising here would arrive wrapped in an exception group).

@@ -217,6 +217,14 @@ class PrometheusStatLogger:
                 f"{PREFIX}:lora_requests_info", "Running stats on lora requests.",
                 ["max_lora", "waiting_lora_adapters", "running_lora_adapters"],
                 registry=self.registry, multiprocess_mode="mostrecent")
+        if config.multimodal_config is not None:
+            # Images (`ringserve.gpu.multimodal`): vLLM's processed-image cache families
+            # (per-image lookups in the frontend's cache), and the workers' encoder cache.
+            counter("mm_cache_queries", "Multi-modal cache queries, in terms of number of "
+                    "items.")
+            counter("mm_cache_hits", "Multi-modal cache hits, in terms of number of items.")
+            gauge("encoder_cache_usage_perc", "Encoder cache usage. 1 means 100 percent "
+                  "usage.")
         counter("prefix_cache_queries", "Prefix cache queries, in terms of number of tokens.")
         counter("prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.")
         counter("num_preemptions", "Cumulative number of preemptions from the engine.")
@@ -297,6 +305,13 @@ class PrometheusStatLogger:
         if self._cache_info is not None:
             self._families["cache_config_info"].remove(*self._cache_info.values(), str(engine))
 
+    def record_mm_cache(self, queries: int, hits: int) -> None:
+        """Count the frontend's processed-image cache lookups since the last call."""
+        if "mm_cache_queries" in self._families and (queries or hits):
+            engine = self.engine_indexes[0] if self.engine_indexes else 0
+            self._child("mm_cache_queries", engine).inc(queries)
+            self._child("mm_cache_hits", engine).inc(hits)
+
     # -- family construction -------------------------------------------------------------------
 
     def _labels(self, extra: tuple[str, ...]) -> list[str]:
@@ -349,6 +364,10 @@ class PrometheusStatLogger:
                             series.inc(count)
             if scheduler_stats.spec_decoding is not None:
                 self.spec_decoding.record(scheduler_stats.spec_decoding, engine_idx)
+            if scheduler_stats.encoder_cache_usage is not None and \
+                    "encoder_cache_usage_perc" in self._families:
+                child("encoder_cache_usage_perc", engine_idx).set(
+                    scheduler_stats.encoder_cache_usage)
             if self._lora_max is not None and scheduler_stats.lora_running is not None:
                 self._families["lora_requests_info"].labels(
                     self._lora_max, ",".join(sorted(scheduler_stats.lora_waiting or {})),

@@ -207,6 +207,10 @@ class StatLoggerManager:
             stat_logger.record(scheduler_stats, iteration_stats, engine_idx)
         self.prometheus.record(scheduler_stats, iteration_stats, engine_idx)
 
+    def record_mm_cache(self, queries: int, hits: int) -> None:
+        """The frontend's processed-image cache lookups since the last call."""
+        self.prometheus.record_mm_cache(queries, hits)
+
     def record_sleep_state(self, level: int) -> None:
         """Every engine is now at sleep `level` (0: awake)."""
         for index in self.per_engine:

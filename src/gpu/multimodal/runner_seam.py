@@ -100,8 +100,8 @@ class ImageSeam:
     def _encode(self, feature: ImageFeature) -> torch.Tensor:
         if self.vision is None:
             raise RuntimeError("the vision encoder is not loaded")
-        data = {k: torch.from_numpy(np.ascontiguousarray(v)).to(self.device)
-                for k, v in feature.data.items()}
+        # The arrays are read-only views of the step's frames: copied once here.
+        data = {k: torch.from_numpy(np.array(v)).to(self.device) for k, v in feature.data.items()}
         rows = self.vision.encode(data)
         if rows.shape[0] != feature.num_embeds:
             raise ValueError(f"the encoder gave {rows.shape[0]} rows, the prompt holds "

@@ -106,6 +106,13 @@ class ImageRenderer:
                     self._cached_bytes -= old.nbytes
         return processed
 
+    def take_cache_stats(self) -> tuple[int, int]:
+        """Processed-image cache queries and hits since the last call (the metrics)."""
+        with self._lock:
+            counts = (self.cache_queries, self.cache_hits)
+            self.cache_queries = self.cache_hits = 0
+        return counts
+
     def check_count(self, count: int) -> None:
         """Raise unless a prompt may hold `count` images (`--limit-mm-per-prompt`).
 
