@@ -153,6 +153,8 @@ LONG = {
         "its [int8] case and test_moe_cpu_kernel.py's int4 tests",
     "tests/http/test_scaleout_elastic.py":
         "test_elastic_dp.py and test_http_elastic_dp.py (the same scale on one API server)",
+    "tests/gpu/multimodal/test_vlm_engine.py::test_tensor_parallel_2_equals_tp_1":
+        "test_vlm_engine.py::test_greedy_tokens_and_logprobs_equal_transformers[qwen2_vl] (TP=1)",
     "tests/weight_transfer/test_wt_vllm_loop.py::"
     "test_vllm_style_trainer_pushes_trained_weights[shm-2-qwen2]":
         "test_weight_sync.py::test_training_loop_pushes_weights[shm-2-qwen2] (TP 2 over shm) "

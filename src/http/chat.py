@@ -5,7 +5,9 @@ them), checked against the context length, and run as one engine request with `n
 Streams send each choice's role delta first, then content deltas, the finish reason in the
 last delta, and (with `stream_options.include_usage`) a usage chunk. `echo` repeats the last
 message's content when it has the reply's role (vLLM's rule, for continue_final_message).
-`tools` go into the template and, by `tool_choice`, become a constraint and a tool parser
+Image parts (a vision-language model) are loaded and expanded into the prompt's tokens by
+`ringserve.http.chat_images` and travel with the job as its features. `tools` go into the
+template and, by `tool_choice`, become a constraint and a tool parser
 (`ringserve.http.tool_parsers.request`); with a reasoning parser or a tool parser each
 choice's text is split into reasoning, content and tool calls (`ringserve.http.chat_output`),
 streamed as OpenAI's deltas; finish_reason is `tool_calls` when calls were made. Each choice
@@ -21,8 +23,9 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from ringserve.config import ModelConfig
+from ringserve.http.chat_images import render_chat_images
 from ringserve.http.chat_output import ChatOutputPlan, ChoiceOutput
-from ringserve.http.chat_template import conversation_of, render_chat
+from ringserve.http.chat_template import chat_conversation, render_chat
 from ringserve.http.context import AppContext, request_id_of
 from ringserve.http.errors import bad_request
 from ringserve.http.generation import Job, check_admission, check_constraint, make_job, run_jobs
@@ -62,22 +65,29 @@ class Chat:
         ctx.check_model(req.model)
         tools = plan_tools(req, enable_auto_tool_choice=ctx.settings.enable_auto_tool_choice,
                            tool_call_parser=ctx.settings.tool_call_parser)
-        conversation = conversation_of(req.messages)
+        conversation, images = chat_conversation(req.messages)
         text = render_chat(ctx, conversation, add_generation_prompt=req.add_generation_prompt,
                            continue_final_message=req.continue_final_message,
                            template_kwargs=req.chat_template_kwargs, tools=tools.tools)
-        token_ids = await ctx.tokenize(text, add_special_tokens=req.add_special_tokens)
+        features = None
+        if images:
+            token_ids, features = await render_chat_images(
+                ctx, text, images, add_special_tokens=req.add_special_tokens)
+        else:
+            token_ids = await ctx.tokenize(text, add_special_tokens=req.add_special_tokens)
         config = ctx.engine.config
         job = make_job(f"chatcmpl-{request_id_of(request, req.request_id)}",
                        {"prompt_token_ids": token_ids, "prompt": text},
                        chat_params(req, tools, config.model_config), req, config.model_config,
-                       ctx.lora_for(req.model))
+                       ctx.lora_for(req.model), mm_features=features)
         check_admission(ctx.engine, [job])
         plan = ChatOutputPlan(config.structured_outputs_config.reasoning_parser, tools, text)
         echo = ""
         last = conversation[-1]
         if req.echo and last["role"] == (ROLE if req.add_generation_prompt else last["role"]):
-            echo = str(last["content"])
+            content = last["content"]
+            echo = content if isinstance(content, str) else "\n".join(
+                part["text"] for part in content if part["type"] == "text")  # images unechoed
         if req.stream:
             check_constraint(job.params, config.structured_outputs_config.resolved_backend)
             return SSEResponse(lambda emit: self._stream(req, job, plan, echo, emit))

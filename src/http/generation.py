@@ -23,6 +23,7 @@ from ringserve.config import ModelConfig
 from ringserve.engine.frontend.async_llm import AsyncLLM
 from ringserve.engine.frontend.input_processor import TokensPrompt
 from ringserve.engine.structured.validation import check_structured_outputs
+from ringserve.gpu.multimodal.features import ImageFeature
 from ringserve.http.errors import bad_request
 from ringserve.http.protocol import SamplingRequest
 from ringserve.http.sampling import resolve_max_tokens
@@ -42,6 +43,7 @@ class Job:
     params: SamplingParams
     priority: int = 0
     lora_request: LoRARequest | None = None  # the adapter the request's `model` names
+    mm_features: list[ImageFeature] | None = None  # the prompt's images, rendered
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -51,10 +53,12 @@ class Job:
 
 def make_job(request_id: str, prompt: TokensPrompt, params: SamplingParams,
              req: SamplingRequest, model_config: ModelConfig,
-             lora_request: LoRARequest | None = None) -> Job:
+             lora_request: LoRARequest | None = None, *,
+             mm_features: list[ImageFeature] | None = None) -> Job:
     """A job for one tokenized prompt: the request's cache salt and priority, and its
     `max_tokens` resolved against the context length. The prompt is checked here (not only
     in the engine), so a stream's bad prompt is a 400 rather than an error chunk.
+    `mm_features`: the images of a prompt whose token ids hold their expanded tokens.
 
     Raises:
         APIError: 400 for an empty prompt, token ids outside the vocabulary, or a prompt and
@@ -77,7 +81,7 @@ def make_job(request_id: str, prompt: TokensPrompt, params: SamplingParams,
                                                                               max_tokens)))
     if max_tokens != requested:
         params = params.clone(max_tokens=max_tokens)
-    return Job(request_id, prompt, params, req.priority, lora_request)
+    return Job(request_id, prompt, params, req.priority, lora_request, mm_features)
 
 
 def check_constraint(params: SamplingParams, backend: str) -> None:
@@ -111,6 +115,8 @@ async def _pump(engine: AsyncLLM, index: int, job: Job,
             # tests' scripted engines, take no such argument).
             extra: dict[str, Any] = ({} if job.lora_request is None
                                      else {"lora_request": job.lora_request})
+            if job.mm_features is not None:  # likewise images
+                extra["mm_features"] = job.mm_features
             async for output in engine.generate(job.prompt, job.params, job.request_id,
                                                 priority=job.priority, **extra):
                 await send.send((index, output))

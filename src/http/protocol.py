@@ -13,7 +13,7 @@ are turned into SamplingParams (`ringserve.http.sampling`, `ringserve.http.tool_
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 import msgspec
 
@@ -125,11 +125,22 @@ class CompletionRequest(SamplingRequest, kw_only=True):
     best_of: int | None = None
 
 
+class ImageURL(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """An `image_url` part's image: `url` is a data:, file:// or http(s) URL. `detail` is
+    accepted (OpenAI's values) and has no effect, as in vLLM: the image processor decides the
+    resolution."""
+
+    url: str
+    detail: Literal["auto", "low", "high"] | None = None
+
+
 class ContentPart(msgspec.Struct, kw_only=True):
-    """One part of a message's content; only `text` parts are supported."""
+    """One part of a message's content: a `text` part, or an `image_url` part (a
+    vision-language model; `ringserve.http.chat_images`)."""
 
     type: str
     text: str | None = None
+    image_url: ImageURL | None = None
 
 
 class FunctionCall(msgspec.Struct, kw_only=True):

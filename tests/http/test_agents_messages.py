@@ -478,7 +478,7 @@ BAD: list[tuple[dict[str, Any], str]] = [
      "messages[0].content[0].type: block type 'document' is not supported"),
     ({"messages": [{"role": "user", "content": [{"type": "image", "source": {
         "type": "base64", "media_type": "image/png", "data": "AA=="}}]}]},
-     "messages[0].content[0]: image blocks are not supported yet"),
+     "messages[0].content[0]: model tiny takes text only"),
     ({"messages": [{"role": "user", "content": [{"type": "text"}]}]}, "messages[0].content[0]"),
     ({"messages": [{"role": "user", "content": [{"type": "text", "text": "x", "foo": 1}]}]},
      "unknown field `foo`"),
@@ -487,7 +487,7 @@ BAD: list[tuple[dict[str, Any], str]] = [
      "messages[2].content[0].tool_use_id: 'toolu_9' matches no tool_use"),
     ({"messages": [*USER, TOOL_USE, {"role": "user", "content": [
         {"type": "tool_result", "tool_use_id": "toolu_1", "content": [
-            {"type": "image", "source": {}}]}]}]},
+            {"type": "image", "source": {"type": "url", "url": "http://x/y.png"}}]}]}]},
      "messages[2].content[0].content[0]: image blocks are not supported yet"),
     ({"messages": [*USER, TOOL_USE, {"role": "user", "content": [
         {"type": "tool_result", "tool_use_id": "toolu_1", "content": [

@@ -3,7 +3,8 @@
 `LLM(model=None, **engine_args)` builds an engine (None: the demo model); `generate` takes
 prompts (strings or `{"prompt_token_ids": [...]}`) with one SamplingParams or one per prompt
 and returns finished RequestOutputs in input order, with a progress bar; `chat` renders
-conversations through the tokenizer's chat template first. Every prompt is validated before
+conversations through the tokenizer's chat template first (with their images, on a
+vision-language model). Every prompt is validated before
 any is queued, so a bad one raises without leaving work behind. The engine's processes are
 closed by `close()`, on `with` exit, and at interpreter exit.
 
@@ -30,9 +31,17 @@ from ringserve.engine.frontend.fault_tolerance import check_instruction
 from ringserve.engine.frontend.input_processor import PromptType, TokensPrompt
 from ringserve.engine.frontend.llm_engine import LLMEngine
 from ringserve.engine.frontend.llm_pooling import SyncPoolingMethods
+from ringserve.engine.frontend.multimodal.chat_parts import (
+    ImageRef,
+    check_images,
+    dict_conversation,
+    load_part,
+    render_prompt,
+)
 from ringserve.engine.frontend.rl_api import SyncRLMethods
 from ringserve.engine.metrics.metrics_reader import Metric
 from ringserve.engine.wire import FAULT_INSTRUCTION_METHOD
+from ringserve.gpu.multimodal.features import ImageFeature
 from ringserve.lora_request import LoRARequest
 from ringserve.outputs import RequestOutput
 from ringserve.sampling_params import RequestOutputKind, SamplingParams, default_sampling_params
@@ -157,8 +166,15 @@ class LLM(SyncRLMethods, SyncPoolingMethods):
     ) -> list[RequestOutput]:
         """Generate replies to one conversation or a list of them (OpenAI-style messages).
 
+        A vision-language model's messages may hold image parts in vLLM's forms
+        (`{"type": "image_url", "image_url": {"url": URL}}`, `{"type": "image", "image":
+        PIL_IMAGE}`, `{"type": "image_pil", "image_pil": PIL_IMAGE}`;
+        `ringserve.engine.frontend.multimodal.chat_parts`).
+
         Raises:
-            ValueError: a conversation is malformed or the tokenizer has no chat template.
+            ValueError: a conversation is malformed, the tokenizer has no chat template, or an
+                image part cannot be used (the message starts with its location,
+                `messages[0].content[1]: ...`).
         """
         single = bool(messages) and isinstance(messages[0], dict)
         conversations: list[Conversation] = (
@@ -166,11 +182,28 @@ class LLM(SyncRLMethods, SyncPoolingMethods):
         )
         tokenizer = self.get_tokenizer()
         prompts: list[PromptType] = []
-        for conversation in conversations:
+        features: list[list[ImageFeature] | None] = []
+        for k, conversation in enumerate(conversations):
+            conversation, images = dict_conversation(
+                conversation, "messages" if single else f"messages[{k}]")
             text = _render_chat(tokenizer, conversation, add_generation_prompt, chat_template)
-            ids = list(tokenizer(text, add_special_tokens=False).input_ids)
+            if images:
+                ids, rendered = self._render_images(text, images)
+            else:
+                ids, rendered = list(tokenizer(text, add_special_tokens=False).input_ids), None
             prompts.append(TokensPrompt(prompt_token_ids=ids, prompt=text))
-        return self.generate(prompts, sampling_params, use_tqdm)
+            features.append(rendered)
+        params = self._params_for(prompts, sampling_params)
+        return self._run(self._add_all(prompts, params, mm_features=features), use_tqdm)
+
+    def _render_images(self, text: str,
+                       images: list[ImageRef]) -> tuple[list[int], list[ImageFeature]]:
+        """A chat prompt's token ids with its images expanded, and their features."""
+        model_config = self.llm_engine.config.model_config
+        renderer = check_images(self.llm_engine.input_processor.renderer, images,
+                                model_config.served_model_name)
+        processed = [load_part(renderer, ref) for ref in images]
+        return render_prompt(renderer, text, processed, add_special_tokens=False)
 
     def _params_for(
         self, prompts: list[PromptType], params: SamplingParams | Sequence[SamplingParams] | None
@@ -187,13 +220,16 @@ class LLM(SyncRLMethods, SyncPoolingMethods):
         return [p.clone(output_kind=RequestOutputKind.FINAL_ONLY) for p in params_list]
 
     def _add_all(self, prompts: list[PromptType], params: list[SamplingParams],
-                 loras: list[LoRARequest | None] | None = None) -> list[str]:
+                 loras: list[LoRARequest | None] | None = None, *,
+                 mm_features: list[list[ImageFeature] | None] | None = None) -> list[str]:
         engine = self.llm_engine
         adapters = loras if loras is not None else [None] * len(prompts)
+        images = mm_features if mm_features is not None else [None] * len(prompts)
         # Validate and tokenize everything first: a bad prompt raises before any is queued.
         processed = [engine.input_processor.process(str(next(self._counter)), prompt, p,
-                                                    lora_request=lora)
-                     for prompt, p, lora in zip(prompts, params, adapters, strict=True)]
+                                                    lora_request=lora, mm_features=features)
+                     for prompt, p, lora, features in zip(prompts, params, adapters, images,
+                                                          strict=True)]
         for request, text in processed:
             engine.add_processed_request(request, text)
         return [request.request_id for request, _ in processed]

@@ -10,8 +10,8 @@ implicitly), `context_management`, `diagnostics`, `inference_geo`, `speed`,
 `user_profile_id`, `workspace_id`, and a block's `cache_control` and `citations`.
 
 Content blocks are tagged unions on `type`; `explain_block_type` turns msgspec's message for
-an unknown block type into one that lists the allowed types. Image blocks decode (with any
-fields) so that the translation can refuse them by name as not supported yet. Tools stay
+an unknown block type into one that lists the allowed types. Image blocks carry a base64 or
+URL `source` (the translation turns them into the chat route's image parts). Tools stay
 plain objects here: a server tool (`web_search_...`) has fields of its own, so its `type` is
 checked first, then the tool is converted to `Tool` (`messages_translate`).
 
@@ -44,9 +44,21 @@ class TextBlock(_Block, tag="text"):
     citations: list[Any] | None = None
 
 
-class ImageBlock(msgspec.Struct, tag_field="type", tag="image"):
-    """An image block: decoded with whatever it holds, refused by the translation (images
-    are not supported yet)."""
+class ImageSource(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """An image block's `source`: `{"type": "base64", "media_type", "data"}` or
+    `{"type": "url", "url"}` (checked by the translation, which names the missing field)."""
+
+    type: str
+    media_type: str | None = None
+    data: str | None = None
+    url: str | None = None
+
+
+class ImageBlock(_Block, tag="image"):
+    """An image (a vision-language model; `messages_translate` makes it an image part)."""
+
+    source: ImageSource
+    cache_control: dict[str, Any] | None = None
 
 
 class ToolUseBlock(_Block, tag="tool_use"):

@@ -59,8 +59,9 @@ from ringserve.http.agents.messages_translate import (
     shows_thinking,
 )
 from ringserve.http.agents.turn import Turn, TurnResult, prepare_turn, run_turn
+from ringserve.http.chat_images import render_chat_images
 from ringserve.http.chat_output import ChoiceDelta
-from ringserve.http.chat_template import conversation_of, render_chat
+from ringserve.http.chat_template import chat_conversation, render_chat
 from ringserve.http.context import AppContext, Guard, request_id_of
 from ringserve.http.errors import APIError, bad_request
 from ringserve.http.responses import json_response
@@ -122,10 +123,11 @@ class Messages:
         if req.max_tokens is None:
             raise bad_request("max_tokens: required; allowed: the most tokens to generate, at "
                               "least 1", "max_tokens")
-        chat = chat_request(req)
+        locations: dict[str, str] = {}
+        chat = chat_request(req, locations)
         self._note_ignored(req)
         message_id = f"msg_{request_id_of(request, None)}"
-        turn = await prepare_turn(self.ctx, chat, message_id)
+        turn = await prepare_turn(self.ctx, chat, message_id, locations=locations)
         turn, capped = self._capped(turn, req.max_tokens)
         reply = _Reply(message_id, self.ctx.response_model(req.model), capped,
                        shows_thinking(req))
@@ -193,13 +195,20 @@ class Messages:
     async def count_tokens(self, request: Request) -> Response:
         """`{"input_tokens": N}`: the length of the prompt `/v1/messages` would run."""
         req = await self._parse(request)
-        chat = chat_request(req)
+        locations: dict[str, str] = {}
+        chat = chat_request(req, locations)
         settings = self.ctx.settings
         tools = plan_tools(chat, enable_auto_tool_choice=settings.enable_auto_tool_choice,
                            tool_call_parser=settings.tool_call_parser)
-        text = render_chat(self.ctx, conversation_of(chat.messages),
+        conversation, images = chat_conversation(chat.messages)
+        text = render_chat(self.ctx, conversation,
                            add_generation_prompt=chat.add_generation_prompt,
                            continue_final_message=chat.continue_final_message,
                            template_kwargs=chat.chat_template_kwargs, tools=tools.tools)
-        token_ids = await self.ctx.tokenize(text, add_special_tokens=chat.add_special_tokens)
+        if images:  # counted as the engine would run them: each image's tokens
+            token_ids, _ = await render_chat_images(
+                self.ctx, text, images, add_special_tokens=chat.add_special_tokens,
+                locations=locations)
+        else:
+            token_ids = await self.ctx.tokenize(text, add_special_tokens=chat.add_special_tokens)
         return json_response(CountTokensOut(input_tokens=len(token_ids)))

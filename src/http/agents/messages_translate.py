@@ -9,7 +9,9 @@ the chat route builds for the same conversation:
   the system prompt's first line, with its line break, and so is a text block it leaves
   empty, so consecutive turns share their prefix in the cache; an empty system prompt adds
   no message.
-- user messages: text blocks become a user message (text parts), each `tool_result` a `tool`
+- user messages: text and image blocks become a user message (text and image parts; a
+  base64 `source` a data: URL, rendered by `ringserve.http.chat_images`, whose errors name
+  the block: `messages[0].content[1]: ...`), each `tool_result` a `tool`
   message answering `tool_use_id` (its text blocks joined with newlines; `is_error: true`
   puts `Error: ` before the text), in block order; the id must name a `tool_use` of an
   earlier assistant message.
@@ -24,7 +26,8 @@ the chat route builds for the same conversation:
   `output_config.format` is the chat route's `json_schema` response format.
 - `max_tokens` is not passed on: the route caps the output at the room the context leaves.
 
-Every refusal is a 400 naming Anthropic's field: an image block (not supported yet), a block
+Every refusal is a 400 naming Anthropic's field: an image source without its data, an image
+inside a `tool_result` (not supported yet), a block
 in the wrong role's message, a tool that is not a client tool, a `tool_choice` naming an
 absent tool, a `tool_result` for no call, a thinking budget out of Anthropic's range.
 """
@@ -59,6 +62,7 @@ from ringserve.http.protocol import (
     ContentPart,
     FunctionCall,
     FunctionDefinition,
+    ImageURL,
     JsonSchemaFormat,
     NamedFunction,
     NamedToolChoice,
@@ -71,6 +75,8 @@ T = TypeVar("T")
 
 BILLING_PREFIX = "x-anthropic-billing-header:"
 ERROR_PREFIX = "Error: "
+# The media types of Anthropic's base64 image sources.
+IMAGE_MEDIA_TYPES = ("image/jpeg", "image/png", "image/gif", "image/webp")
 
 
 def strip_billing_line(text: str) -> str:
@@ -99,13 +105,34 @@ def _system(system: str | list[TextBlock] | None) -> list[ChatMessage]:
 
 
 def _refuse(block: InputBlock, where: str, role: str) -> APIError:
-    if isinstance(block, ImageBlock):
-        return bad_request(f"{where}: image blocks are not supported yet; allowed: text, "
-                           "tool_use, tool_result, thinking, redacted_thinking", where)
     kind = type(block).__struct_config__.tag
     belongs = "an assistant" if role == "user" else "a user"
     return bad_request(f"{where}: a {kind} block belongs in {belongs} message, not in this "
                        f"{role} message", where)
+
+
+def _image_url(block: ImageBlock, where: str) -> str:
+    """An image block's source as an image URL (base64 data becomes a data: URL).
+
+    Raises:
+        APIError: 400 naming the source's missing or unknown field.
+    """
+    source = block.source
+    if source.type == "base64":
+        if source.media_type not in IMAGE_MEDIA_TYPES:
+            raise bad_request(f"{where}.source.media_type: got {source.media_type!r}, allowed: "
+                              f"{', '.join(IMAGE_MEDIA_TYPES)}", f"{where}.source.media_type")
+        if source.data is None or source.url is not None:
+            raise bad_request(f"{where}.source.data: required (alone) in a base64 source",
+                              f"{where}.source.data")
+        return f"data:{source.media_type};base64,{source.data}"
+    if source.type == "url":
+        if source.url is None or source.data is not None or source.media_type is not None:
+            raise bad_request(f"{where}.source.url: required (alone) in a url source",
+                              f"{where}.source.url")
+        return source.url
+    raise bad_request(f"{where}.source.type: got {source.type!r}, allowed: base64, url",
+                      f"{where}.source.type")
 
 
 def _tool_text(block: ToolResultBlock, where: str) -> str:
@@ -122,26 +149,33 @@ def _tool_text(block: ToolResultBlock, where: str) -> str:
     return ERROR_PREFIX + text if block.is_error else text
 
 
-def _user(blocks: list[InputBlock], where: str, calls: set[str]) -> list[ChatMessage]:
+def _user(blocks: list[InputBlock], where: str, calls: set[str], *, first: int,
+          locations: dict[str, str]) -> list[ChatMessage]:
+    """A user message's blocks as chat messages, the first of them at index `first` of the
+    chat messages; each image part's chat location is mapped to its block in `locations`."""
     out: list[ChatMessage] = []
-    texts: list[str] = []
+    parts: list[ContentPart] = []
     for j, block in enumerate(blocks):
         at = f"{where}.content[{j}]"
         if isinstance(block, TextBlock):
-            texts.append(block.text)
+            parts.append(ContentPart(type="text", text=block.text))
+        elif isinstance(block, ImageBlock):
+            locations[f"messages[{first + len(out)}].content[{len(parts)}]"] = at
+            parts.append(ContentPart(type="image_url",
+                                     image_url=ImageURL(url=_image_url(block, at))))
         elif isinstance(block, ToolResultBlock):
             if block.tool_use_id not in calls:
                 raise bad_request(f"{at}.tool_use_id: {block.tool_use_id!r} matches no tool_use "
                                   "block of an earlier assistant message", f"{at}.tool_use_id")
-            if texts:
-                out.append(ChatMessage(role="user", content=_parts(texts)))
-                texts = []
+            if parts:
+                out.append(ChatMessage(role="user", content=parts))
+                parts = []
             out.append(ChatMessage(role="tool", tool_call_id=block.tool_use_id,
                                    content=_tool_text(block, at)))
         else:
             raise _refuse(block, at, "user")
-    if texts or not out:
-        out.append(ChatMessage(role="user", content=_parts(texts)))
+    if parts or not out:
+        out.append(ChatMessage(role="user", content=parts))
     return out
 
 
@@ -166,15 +200,21 @@ def _assistant(blocks: list[InputBlock], where: str, calls: set[str]) -> ChatMes
                        reasoning="\n".join(reasoning) if reasoning else None)
 
 
-def chat_messages(req: MessagesRequest) -> list[ChatMessage]:
+def chat_messages(req: MessagesRequest,
+                  locations: dict[str, str] | None = None) -> list[ChatMessage]:
     """The conversation as chat messages (the system prompt first).
 
+    Args:
+        locations: filled with each image part's chat location (`messages[2].content[0]`)
+            and the block it came from (`messages[1].content[1]`), for the image errors.
+
     Raises:
-        APIError: 400 naming the block: an image, a block in the wrong role's message, a
-            tool_result whose id matches no earlier tool_use.
+        APIError: 400 naming the block: an image source without its data, a block in the
+            wrong role's message, a tool_result whose id matches no earlier tool_use.
     """
     out = _system(req.system)
     calls: set[str] = set()
+    names = locations if locations is not None else {}
     for i, message in enumerate(req.messages):
         where = f"messages[{i}]"
         if isinstance(message.content, str):
@@ -182,7 +222,7 @@ def chat_messages(req: MessagesRequest) -> list[ChatMessage]:
         elif message.role == "assistant":
             out.append(_assistant(message.content, where, calls))
         else:
-            out.extend(_user(message.content, where, calls))
+            out.extend(_user(message.content, where, calls, first=len(out), locations=names))
     return out
 
 
@@ -273,13 +313,15 @@ def _response_format(req: MessagesRequest, tool_choice: object) -> ResponseForma
         name="output", schema=config.format.schema))
 
 
-def chat_request(req: MessagesRequest) -> ChatCompletionRequest:
-    """The chat request the engine runs for `req` (no `max_tokens`: the route caps it).
+def chat_request(req: MessagesRequest,
+                 locations: dict[str, str] | None = None) -> ChatCompletionRequest:
+    """The chat request the engine runs for `req` (no `max_tokens`: the route caps it);
+    `locations` is filled as `chat_messages` fills it.
 
     Raises:
         APIError: 400 naming the field (see the module's docstring).
     """
-    messages = chat_messages(req)
+    messages = chat_messages(req, locations)
     tools = chat_tools(req.tools) if req.tools else []
     tool_choice, parallel = _tool_choice(req, [tool.function.name for tool in tools])
     prefill = bool(req.messages) and req.messages[-1].role == "assistant"

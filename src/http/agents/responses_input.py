@@ -3,13 +3,15 @@
 `parse_request` decodes the body (an unknown field is a 400 naming it); `new_items` turns
 its `input` into canonical items (`ringserve.http.agents.responses_protocol.Item`: ids given
 where the client left them out, a string input one user message), refusing an unknown item
-type or role, an image or file part (not supported yet), arguments that are not JSON and a
+type or role, a file or audio part (not supported yet), arguments that are not JSON and a
 `function_call_output` whose `call_id` answers no call of the conversation; `chat_request`
 builds the `ChatCompletionRequest` the chat route would get for the whole conversation:
 `instructions` as the first system message, `developer` messages as system ones (the chat
 templates know no developer role), function calls joined to the assistant message before
-them as its `tool_calls`, their outputs as `tool` messages, a reasoning item as the next
-assistant message's `reasoning`, function tools as chat tools, `text.format` as
+them as its `tool_calls`, their outputs as `tool` messages, `input_image` parts as image
+parts (`ringserve.http.chat_images`; errors name `input[i].content[j]`, or the chat location
+for an image of a stored earlier turn), a reasoning item as the next assistant message's
+`reasoning`, function tools as chat tools, `text.format` as
 `response_format`, `max_output_tokens` as `max_completion_tokens`. Every 400 names the field
 as the Responses request spells it (`input[2].call_id`, `tools[0].type`, `text.format.schema`);
 `responses_error` renames the fields of the errors the shared chat code raises.
@@ -30,6 +32,7 @@ from ringserve.http.agents.responses_protocol import (
     FunctionCallOutputIn,
     FunctionCallOutputItem,
     FunctionToolIn,
+    InputImage,
     InputPart,
     InputText,
     Item,
@@ -49,8 +52,10 @@ from ringserve.http.errors import APIError, bad_request, error_from_exception
 from ringserve.http.protocol import (
     ChatCompletionRequest,
     ChatMessage,
+    ContentPart,
     FunctionCall,
     FunctionDefinition,
+    ImageURL,
     JsonSchemaFormat,
     NamedFunction,
     NamedToolChoice,
@@ -63,7 +68,8 @@ T = TypeVar("T")
 
 ROLES = ("user", "system", "developer", "assistant")
 TEXT_PARTS = ("input_text", "output_text")
-UNSUPPORTED_PARTS = ("input_image", "input_file", "input_audio")
+UNSUPPORTED_PARTS = ("input_file", "input_audio")
+MESSAGE_PARTS = ("input_text", "output_text", "input_image")
 ITEM_TYPES = ("message", "function_call", "function_call_output", "reasoning")
 TOOL_CHOICES = ("auto", "none", "required")
 FORMATS = ("text", "json_object", "json_schema")
@@ -116,9 +122,10 @@ def _convert(raw: Any, kind: type[T], where: str) -> T:
         raise bad_request(f"{path}: {text}", path) from None
 
 
-def _texts(parts: list[InputPart], where: str, allowed: tuple[str, ...]) -> list[str]:
+def _texts(parts: list[InputPart], where: str, allowed: tuple[str, ...], *,
+           first: int = 0) -> list[str]:
     texts = []
-    for j, part in enumerate(parts):
+    for j, part in enumerate(parts, first):
         at = f"{where}[{j}]"
         if part.type in UNSUPPORTED_PARTS:
             raise bad_request(f"{at}.type: {part.type} parts are not supported yet; allowed: "
@@ -142,10 +149,23 @@ def _message(item: MessageIn, where: str) -> MessageItem:
     if item.role not in ROLES:
         raise bad_request(f"{where}.role: got {item.role!r}, allowed: {', '.join(ROLES)}",
                           f"{where}.role")
-    texts = ([item.content] if isinstance(item.content, str)
-             else _texts(item.content, f"{where}.content", TEXT_PARTS))
-    content: list[InputText | OutputText] = (
-        [OutputText(t) for t in texts] if item.role == "assistant" else [InputText(t) for t in texts])
+    parts = [InputPart(type="input_text", text=item.content)] if isinstance(
+        item.content, str) else item.content
+    allowed = TEXT_PARTS if item.role == "assistant" else MESSAGE_PARTS
+    content: list[InputText | OutputText | InputImage] = []
+    for j, part in enumerate(parts):
+        at = f"{where}.content[{j}]"
+        if part.type == "input_image" and item.role != "assistant":
+            if part.image_url is None or part.text is not None:
+                raise bad_request(f"{at}.image_url: required (a URL string) in an input_image "
+                                  "part, without text", f"{at}.image_url")
+            content.append(InputImage(part.image_url, part.detail or "auto"))
+            continue
+        if part.image_url is not None:
+            raise bad_request(f"{at}.image_url: only in an input_image part of a user, system "
+                              "or developer message", f"{at}.image_url")
+        text = _texts([part], f"{where}.content", allowed, first=j)[0]
+        content.append(OutputText(text) if item.role == "assistant" else InputText(text))
     return MessageItem(id=item.id or new_id("msg"), role=item.role, content=content)
 
 
@@ -309,14 +329,40 @@ def response_format_of(text: TextConfig | None) -> ResponseFormat | None:
         name=fmt.name, schema=fmt.schema, strict=fmt.strict, description=fmt.description))
 
 
-def chat_messages(instructions: str | None, conversation: list[Item]) -> list[ChatMessage]:
-    """The conversation as chat messages (see the module's docstring)."""
+def _chat_content(item: MessageItem, chat_index: int, input_index: int | None,
+                  locations: dict[str, str]) -> str | list[ContentPart]:
+    """A message item's chat content: its texts joined, or with images a list of parts
+    (each image's chat location, `messages[chat_index].content[j]`, mapped to
+    `input[input_index].content[j]` when the item came in with this request)."""
+    if not any(isinstance(p, InputImage) for p in item.content):
+        return "\n".join(p.text for p in item.content if not isinstance(p, InputImage))
+    parts: list[ContentPart] = []
+    for j, part in enumerate(item.content):
+        if isinstance(part, InputImage):
+            if input_index is not None:
+                locations[f"messages[{chat_index}].content[{j}]"] = \
+                    f"input[{input_index}].content[{j}]"
+            parts.append(ContentPart(type="image_url", image_url=ImageURL(url=part.image_url)))
+        else:
+            parts.append(ContentPart(type="text", text=part.text))
+    return parts
+
+
+def chat_messages(instructions: str | None, conversation: list[Item], *, new_from: int = 0,
+                  locations: dict[str, str] | None = None) -> list[ChatMessage]:
+    """The conversation as chat messages (see the module's docstring).
+
+    Args:
+        new_from: the conversation index of this request's first `input` item.
+        locations: filled with each new image part's chat location and its `input` one.
+    """
     messages: list[ChatMessage] = []
     if instructions is not None:
         messages.append(ChatMessage(role="system", content=instructions))
+    names = locations if locations is not None else {}
     reasoning: str | None = None
     assistant: ChatMessage | None = None  # the message later function calls join
-    for item in conversation:
+    for k, item in enumerate(conversation):
         if isinstance(item, ReasoningItem):
             text = "\n".join(p.text for p in item.content) or "\n".join(
                 p.text for p in item.summary)
@@ -325,7 +371,9 @@ def chat_messages(instructions: str | None, conversation: list[Item]) -> list[Ch
             assistant = None
         elif isinstance(item, MessageItem):
             role = "system" if item.role == "developer" else item.role
-            message = ChatMessage(role=role, content="\n".join(p.text for p in item.content))
+            content = _chat_content(item, len(messages), k - new_from if k >= new_from else None,
+                                    names)
+            message = ChatMessage(role=role, content=content)
             assistant = message if role == "assistant" else None
             if assistant is not None:
                 message.reasoning, reasoning = reasoning, None
@@ -346,8 +394,10 @@ def chat_messages(instructions: str | None, conversation: list[Item]) -> list[Ch
 
 
 def chat_request(req: ResponsesRequest, conversation: list[Item],
-                 tools: list[FunctionToolIn], *, stream: bool) -> ChatCompletionRequest:
-    """The chat request the chat route would run for this turn.
+                 tools: list[FunctionToolIn], *, stream: bool, new_from: int = 0,
+                 locations: dict[str, str] | None = None) -> ChatCompletionRequest:
+    """The chat request the chat route would run for this turn (`new_from`, `locations`:
+    as `chat_messages` takes them).
 
     Raises:
         APIError: 400 naming `tool_choice` or `text.format` (see `tool_choice_of`,
@@ -357,7 +407,8 @@ def chat_request(req: ResponsesRequest, conversation: list[Item],
         name=t.name, description=t.description, parameters=t.parameters, strict=t.strict))
         for t in tools]
     return ChatCompletionRequest(
-        model=req.model, messages=chat_messages(req.instructions, conversation),
+        model=req.model, messages=chat_messages(req.instructions, conversation,
+                                                 new_from=new_from, locations=locations),
         tools=definitions or None, tool_choice=tool_choice_of(req),
         parallel_tool_calls=req.parallel_tool_calls is not False,
         response_format=response_format_of(req.text), temperature=req.temperature,

@@ -19,7 +19,7 @@ continuation by `previous_response_id` read them as they are.
 from __future__ import annotations
 
 import uuid
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 import msgspec
 
@@ -34,10 +34,13 @@ def new_id(prefix: str) -> str:
 
 class InputPart(msgspec.Struct, kw_only=True):
     """One content part of an input message (its type is checked on conversion:
-    `input_text` / `output_text`; images and files are refused by name)."""
+    `input_text` / `output_text`, `input_image` with its `image_url` (a URL string; `detail`
+    accepted, no effect, as in vLLM); files and audio are refused by name)."""
 
     type: str
     text: str | None = None
+    image_url: str | None = None
+    detail: Literal["auto", "low", "high"] | None = None
 
 
 class MessageIn(msgspec.Struct, kw_only=True):
@@ -155,6 +158,13 @@ class InputText(msgspec.Struct, tag="input_text", tag_field="type"):
     text: str
 
 
+class InputImage(msgspec.Struct, tag="input_image", tag_field="type"):
+    """An image a user, system or developer message carried (its URL, as given)."""
+
+    image_url: str
+    detail: str = "auto"
+
+
 class OutputText(msgspec.Struct, tag="output_text", tag_field="type"):
     """Text the assistant wrote."""
 
@@ -176,11 +186,12 @@ class SummaryText(msgspec.Struct, tag="summary_text", tag_field="type"):
 
 
 class MessageItem(msgspec.Struct, kw_only=True, tag="message", tag_field="type"):
-    """A message: the assistant's carry `output_text` parts, the others `input_text`."""
+    """A message: the assistant's carry `output_text` parts, the others `input_text` and
+    `input_image`."""
 
     id: str
     role: str
-    content: list[InputText | OutputText]
+    content: list[InputText | OutputText | InputImage]
     status: str = "completed"
 
 

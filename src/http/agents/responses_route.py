@@ -174,8 +174,10 @@ class Responses:
         tools = tools_of(req)
         response_id = new_id("resp")
         with _fields_named_for(req):
-            chat = chat_request(req, conversation, tools, stream=bool(req.stream))
-            turn = await prepare_turn(ctx, chat, response_id)
+            locations: dict[str, str] = {}
+            chat = chat_request(req, conversation, tools, stream=bool(req.stream),
+                                new_from=len(prior), locations=locations)
+            turn = await prepare_turn(ctx, chat, response_id, locations=locations)
         base = self._base(req, response_id, turn, tools)
         if req.background:
             return self._start_background(_Background(ResponseRun(ctx, turn, base), req,

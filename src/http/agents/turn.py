@@ -3,7 +3,7 @@
 `prepare_turn(ctx, chat, request_id)` takes the `ChatCompletionRequest` an agents' route built
 from its own request and does what `/v1/chat/completions` does before any response starts:
 the tool plan (`tool_choice` checks, the forced-call constraint, the auto parser), the chat
-template, tokenization, the context-length check, admission and the constraint's compile check,
+template, tokenization (images rendered by `ringserve.http.chat_images`), the context-length check, admission and the constraint's compile check,
 so every error is the route's 400 / 503 and nothing reaches the core. `run_turn` then runs the
 one engine request: a stream feeds each text delta through the choice's reasoning and tool
 parsers and hands the `ChoiceDelta` to the route; a plain request parses the final text
@@ -14,15 +14,16 @@ read from the prefix cache, output tokens and the reasoning tokens among them.
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from starlette.types import Receive
 
 from ringserve.http.chat import chat_params
+from ringserve.http.chat_images import render_chat_images
 from ringserve.http.chat_output import ChatOutputPlan, ChoiceDelta, ChoiceOutput
-from ringserve.http.chat_template import conversation_of, render_chat
+from ringserve.http.chat_template import chat_conversation, render_chat
 from ringserve.http.context import AppContext
 from ringserve.http.generation import Job, check_admission, check_constraint, make_job, run_jobs
 from ringserve.http.protocol import ChatCompletionRequest
@@ -84,8 +85,13 @@ class TurnResult:
     reasoning_tokens: int = 0
 
 
-async def prepare_turn(ctx: AppContext, chat: ChatCompletionRequest, request_id: str) -> Turn:
+async def prepare_turn(ctx: AppContext, chat: ChatCompletionRequest, request_id: str, *,
+                       locations: Mapping[str, str] | None = None) -> Turn:
     """Everything the chat route does before its response starts.
+
+    Args:
+        locations: the route's names of the chat messages' image parts (an image error
+            names `input[0].content[1]` rather than the chat location).
 
     Raises:
         APIError, ValueError: 400 for bad tools, messages, parameters, a prompt that does not
@@ -95,15 +101,20 @@ async def prepare_turn(ctx: AppContext, chat: ChatCompletionRequest, request_id:
     settings = ctx.settings
     tools = plan_tools(chat, enable_auto_tool_choice=settings.enable_auto_tool_choice,
                        tool_call_parser=settings.tool_call_parser)
-    conversation = conversation_of(chat.messages)
+    conversation, images = chat_conversation(chat.messages)
     text = render_chat(ctx, conversation, add_generation_prompt=chat.add_generation_prompt,
                        continue_final_message=chat.continue_final_message,
                        template_kwargs=chat.chat_template_kwargs, tools=tools.tools)
-    token_ids = await ctx.tokenize(text, add_special_tokens=chat.add_special_tokens)
+    features = None
+    if images:
+        token_ids, features = await render_chat_images(
+            ctx, text, images, add_special_tokens=chat.add_special_tokens, locations=locations)
+    else:
+        token_ids = await ctx.tokenize(text, add_special_tokens=chat.add_special_tokens)
     config = ctx.engine.config
     job = make_job(request_id, {"prompt_token_ids": token_ids, "prompt": text},
                    chat_params(chat, tools, config.model_config), chat, config.model_config,
-                   ctx.lora_for(chat.model))
+                   ctx.lora_for(chat.model), mm_features=features)
     check_admission(ctx.engine, [job])
     check_constraint(job.params, config.structured_outputs_config.resolved_backend)
     plan = ChatOutputPlan(config.structured_outputs_config.reasoning_parser, tools, text)
