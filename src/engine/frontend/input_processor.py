@@ -232,7 +232,7 @@ class InputProcessor:
         processed = []
         for i, image in enumerate(images):
             try:
-                processed.append(renderer.process(renderer.load(image)))
+                processed.append(renderer.load_processed(image))
             except ValueError as exc:
                 raise ValueError(f"multi_modal_data.image[{i}]: {exc}") from None
         if "prompt_token_ids" in prompt:

@@ -86,7 +86,7 @@ def load_part(renderer: ImageRenderer, ref: ImageRef) -> ProcessedImage:
             rejects it.
     """
     try:
-        return renderer.process(renderer.load(ref.source))
+        return renderer.load_processed(ref.source)
     except ValueError as exc:  # MediaError included
         raise ImagePartError(ref.where, str(exc)) from None
 

@@ -11,6 +11,7 @@ threads (`trio.to_thread`, at most `RENDER_THREADS` at once), never on the event
 
 from __future__ import annotations
 
+import hashlib
 import threading
 from collections import OrderedDict
 from pathlib import Path
@@ -34,6 +35,8 @@ from ringserve.gpu.multimodal.features import ImageFeature
 # Worker threads preprocessing images at once per frontend: numpy and Pillow release the GIL
 # for their heavy loops, and more threads than cores only contend (vLLM #58266).
 RENDER_THREADS = 2
+# data: URLs remembered by digest (a few MB of keys at most).
+_URL_ENTRIES = 16384
 
 
 class ImageRenderer:
@@ -60,6 +63,9 @@ class ImageRenderer:
             max_image_pixels=config.max_image_pixels)
         self._capacity = int(config.processor_cache_gb * (1 << 30))
         self._cache: OrderedDict[str, ProcessedImage] = OrderedDict()
+        # data: URL digest -> the image's content hash: a data: URL holds its bytes, so the
+        # same URL again skips decoding and hashing the pixels (the repeated image's TTFT).
+        self._by_url: OrderedDict[str, str] = OrderedDict()
         self._cached_bytes = 0
         self._lock = threading.Lock()
         self.cache_queries = 0
@@ -79,13 +85,43 @@ class ImageRenderer:
             return to_rgb(source)
         raise MediaError(f"expected a PIL image or an image URL, got {type(source).__name__}")
 
+    def load_processed(self, source: Any) -> ProcessedImage:
+        """`process(load(source))`, with a data: URL sent before found by the URL alone.
+
+        Raises:
+            MediaError: as `load` and `process`.
+        """
+        if not (isinstance(source, str) and source.startswith("data:") and self._capacity):
+            return self.process(self.load(source))
+        digest = hashlib.sha256(source.encode("utf-8", "surrogatepass")).hexdigest()
+        with self._lock:
+            key = self._by_url.get(digest)
+            hit = self._cache.get(key) if key is not None else None
+            if hit is not None:
+                assert key is not None
+                self.cache_queries += 1
+                self.cache_hits += 1
+                self._cache.move_to_end(key)
+                self._by_url.move_to_end(digest)
+                return hit
+        image = self.load(source)
+        key = image_hash(image)
+        processed = self._process_keyed(image, key)
+        with self._lock:
+            self._by_url[digest] = key
+            while len(self._by_url) > _URL_ENTRIES:
+                self._by_url.popitem(last=False)
+        return processed
+
     def process(self, image: Image.Image) -> ProcessedImage:
         """The processed image, from the cache when the same pixels came before.
 
         Raises:
             ValueError: the processor rejects it.
         """
-        key = image_hash(image)
+        return self._process_keyed(image, image_hash(image))
+
+    def _process_keyed(self, image: Image.Image, key: str) -> ProcessedImage:
         with self._lock:
             self.cache_queries += 1
             hit = self._cache.get(key)
