@@ -30,6 +30,7 @@ import itertools
 import logging
 import uuid
 from collections.abc import AsyncIterator
+from functools import partial
 from typing import Any
 
 import trio
@@ -134,8 +135,13 @@ class AsyncLLM(AsyncRLMethods, AsyncElasticDPMethods, AsyncPoolingMethods):
             self.client = await AttachedMPClient.attach(self.config, attach.topology,
                                                         attach.client_index, attach.auth)
         else:
-            # Routing over the cores even for one: elastic scaling may add more.
-            self.client = await DPLBAsyncMPClient.create(self.config, self._executor)
+            async with trio.open_nursery() as starting:
+                renderer = self.input_processor.renderer
+                if renderer is not None:  # the renderer warms up while the cores load
+                    starting.start_soon(partial(trio.to_thread.run_sync, renderer.warm_up,
+                                                limiter=self.render_limiter))
+                # Routing over the cores even for one: elastic scaling may add more.
+                self.client = await DPLBAsyncMPClient.create(self.config, self._executor)
         obs = self.config.observability_config
         if not obs.disable_log_stats:
             engines = list(range(self.config.parallel_config.data_parallel_size))
