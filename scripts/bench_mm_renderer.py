@@ -23,8 +23,8 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_mm import jpeg_url  # noqa: E402
-from cpu_bench import header_lines  # noqa: E402
+from bench_mm import jpeg_url
+from cpu_bench import header_lines
 
 _RENDERER: Any = None
 
