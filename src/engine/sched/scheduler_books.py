@@ -198,6 +198,8 @@ class BooksMixin(OutputMixin):
             if req.was_scheduled:
                 self._invalidated.append(req.request_id)
         self.running.clear()
+        if self.encoder is not None:
+            self.encoder.reset()  # the workers' encoder rows are the old weights' too
         return len(running)
 
     def rollback_step(self, scheduler_output: SchedulerOutput,

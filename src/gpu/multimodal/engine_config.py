@@ -14,12 +14,15 @@ Torch-free.
 from __future__ import annotations
 
 import json
+import logging
 import math
 from pathlib import Path
 from typing import Any
 
 from ringserve.config import ModelConfig, MultiModalConfig
 from ringserve.gpu.multimodal.families import VisionFamily, family_of
+
+logger = logging.getLogger(__name__)
 
 
 def multimodal_config(
@@ -39,9 +42,9 @@ def multimodal_config(
     limit = _image_limit(limit_mm_per_prompt)
     family = family_of(model_config.architecture, model_config.hf_config)
     if family is None:
-        if limit:
-            raise ValueError(f"limit_mm_per_prompt: {model_config.architecture} takes text "
-                             "only; images cannot be allowed")
+        if limit:  # a vLLM command line for a text model: as vLLM, the flag does nothing
+            logger.warning("--limit-mm-per-prompt has no effect: %s takes text only",
+                           model_config.architecture)
         return None
     if encoder_cache_size is not None and encoder_cache_size < 1:
         raise ValueError(f"encoder_cache_size: got {encoder_cache_size}, allowed: >= 1")
@@ -76,15 +79,21 @@ def _image_limit(value: str | dict[str, Any] | None) -> int | None:
     if value is None:
         return None
     if isinstance(value, str):
+        text = value
         try:
-            value = json.loads(value)
+            value = json.loads(text)
         except ValueError:
-            raise ValueError(f"limit_mm_per_prompt: {value!r} is not JSON; expected "
-                             '\'{"image": N}\'') from None
+            # vLLM's older form: image=2,video=1
+            pairs = [item.partition("=") for item in text.split(",") if item.strip()]
+            if not pairs or any(not sep or not v.strip().isdigit() for _, sep, v in pairs):
+                raise ValueError(f"limit_mm_per_prompt: {text!r} is neither JSON nor "
+                                 "image=N; expected '{\"image\": N}'") from None
+            value = {k.strip(): int(v) for k, _, v in pairs}
     if not isinstance(value, dict):
         raise ValueError(f"limit_mm_per_prompt: expected an object such as {{\"image\": 2}}, "
                          f"got {value!r}")
-    unknown = sorted(set(value) - {"image"})
+    # Other modalities may be named with a limit of 0 (none), as vLLM command lines do.
+    unknown = sorted(k for k, v in value.items() if k != "image" and v not in (0, {"count": 0}))
     if unknown:
         raise ValueError(f"limit_mm_per_prompt: modality {unknown[0]!r} is not supported; "
                          "allowed: image")

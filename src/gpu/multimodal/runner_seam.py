@@ -63,9 +63,13 @@ class ImageSeam:
         self.images: dict[str, _Images] = {}
         self.cache: dict[str, torch.Tensor] = {}
 
-    def attach(self, vision: VisionEncoder) -> None:
-        """Encode with `vision` (the loaded model's tower) from now on."""
+    def attach(self, vision: VisionEncoder, *, fresh: bool = False) -> None:
+        """Encode with `vision` (the loaded model's tower) from now on; `fresh` (new
+        weights) drops the encoder cache too, whose rows the old tower computed (the core's
+        books are reset with the KV it invalidates)."""
         self.vision = vision
+        if fresh:
+            self.cache.clear()
 
     # -- bookkeeping -----------------------------------------------------------------------------
 

@@ -184,6 +184,8 @@ class ModelRunner:
         self._model = model
         if self.lora is not None:
             self.lora.install(model)  # the adapters stay across a weight update
+        if self.images is not None:  # encoder rows of the old weights are stale
+            self.images.attach(vision_of(model), fresh=True)
         self._attach_expert_load()
         self.capture_decode()
         return old
