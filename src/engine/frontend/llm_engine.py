@@ -135,6 +135,9 @@ class LLMEngine:
             self.engine_core.abort_requests(processed.reqs_to_abort)
         if stat_loggers is not None:
             stat_loggers.record(outputs.scheduler_stats, iteration_stats, outputs.engine_index)
+            renderer = self.input_processor.renderer
+            if renderer is not None:
+                stat_loggers.record_mm_cache(*renderer.take_cache_stats())
             if iteration_stats is not None and iteration_stats.iteration_timestamp >= (
                     self._next_log_time):
                 self._next_log_time = iteration_stats.iteration_timestamp + self._log_interval
