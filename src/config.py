@@ -481,6 +481,8 @@ class MultiModalConfig:
         encoder_cache_size: encoder output rows the workers keep (`--encoder-cache-size`).
         max_num_encoder_input_tokens: encoder output rows one step may produce.
         no_split: an image is never split across steps (its tokens attend both ways).
+        max_span: with `no_split`, the most positions one image may span (the step's token
+            budget; a longer image is refused by the frontend); 0: no limit.
         processor_cache_gb: the frontend's processed-image cache (`--mm-processor-cache-gb`;
             0: off).
         allowed_local_media_path: `file://` URLs are read only under it (None: refused).
@@ -494,6 +496,7 @@ class MultiModalConfig:
     encoder_cache_size: int = 8192
     max_num_encoder_input_tokens: int = 8192
     no_split: bool = False
+    max_span: int = 0
     processor_cache_gb: float = 4.0
     allowed_local_media_path: str | None = None
     allowed_media_domains: tuple[str, ...] | None = None

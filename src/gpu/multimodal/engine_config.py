@@ -65,6 +65,7 @@ def multimodal_config(
         encoder_cache_size=max(encoder_cache_size or budget, largest),
         max_num_encoder_input_tokens=budget,
         no_split=family.no_split,
+        max_span=max_num_batched_tokens if family.no_split else 0,
         processor_cache_gb=mm_processor_cache_gb,
         allowed_local_media_path=allowed_local_media_path,
         allowed_media_domains=(tuple(d.lower() for d in allowed_media_domains)

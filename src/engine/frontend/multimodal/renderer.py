@@ -233,8 +233,13 @@ class ImageRenderer:
             raise ValueError(f"the prompt holds {rows.size} image tokens where its images "
                              f"need {wanted} (an image token written in the text?)")
         features, k = [], 0
-        for image in images:
+        span_cap = self.config.max_span
+        for i, image in enumerate(images):
             first, last = int(rows[k]), int(rows[k + image.num_embeds - 1])
+            if span_cap and last + 1 - first > span_cap:
+                raise ValueError(f"image {i} spans {last + 1 - first} tokens, more than "
+                                 f"max_num_batched_tokens ({span_cap}); this model's images "
+                                 "are computed in one step")
             features.append(ImageFeature(image.identifier, first, last + 1 - first,
                                          image.num_embeds, image.data))
             k += image.num_embeds
