@@ -41,7 +41,6 @@ from ringserve.engine.wire import (
     EngineCoreRequest,
     FinishReason,
 )
-from ringserve.gpu.multimodal.features import check_features
 from ringserve.gpu.multimodal.scheduling import EncoderBooks
 from ringserve.gpu.spec_decode.scheduling import SpecScheduling
 from ringserve.gpu.wire import CachedRequestData, NewRequestData, SchedulerOutput
@@ -233,12 +232,8 @@ class Scheduler(BooksMixin):
         """Why a request's images can never be served here, or None."""
         if self.encoder is None:
             return "holds images, but this model takes text only"
-        features = req.mm_features or []
-        try:
-            check_features(features, req.num_prompt_tokens)
-        except ValueError as exc:
-            return str(exc)
-        return self.encoder.check(features, self.max_num_batched_tokens)
+        return self.encoder.problem(req.mm_features or [], req.num_prompt_tokens,
+                                    self.max_num_batched_tokens)
 
     # -- scheduling ----------------------------------------------------------------------------
 

@@ -24,7 +24,7 @@ from collections import OrderedDict
 from typing import Protocol
 
 from ringserve.config import MultiModalConfig
-from ringserve.gpu.multimodal.features import ImageFeature
+from ringserve.gpu.multimodal.features import ImageFeature, check_features
 
 
 class _Req(Protocol):
@@ -165,8 +165,18 @@ class EncoderBooks:
         """The cache's rows in use, 0..1."""
         return self._used / self.cache_size
 
+    def problem(self, features: list[ImageFeature], num_prompt_tokens: int,
+                max_num_batched_tokens: int) -> str | None:
+        """Why a request's images can never be scheduled, or None (the scheduler's admission
+        check)."""
+        try:
+            check_features(features, num_prompt_tokens)
+        except ValueError as exc:
+            return str(exc)
+        return self.check(features, max_num_batched_tokens)
+
     def check(self, features: list[ImageFeature], max_num_batched_tokens: int) -> str | None:
-        """Why a request's images can never be scheduled, or None."""
+        """Why images can never be scheduled (their sizes against the budgets), or None."""
         for i, feature in enumerate(features):
             if feature.num_embeds > min(self.budget, self.cache_size):
                 return (f"image {i} needs {feature.num_embeds} encoder rows, more than the "
