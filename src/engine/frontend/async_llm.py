@@ -135,13 +135,22 @@ class AsyncLLM(AsyncRLMethods, AsyncElasticDPMethods, AsyncPoolingMethods):
             self.client = await AttachedMPClient.attach(self.config, attach.topology,
                                                         attach.client_index, attach.auth)
         else:
-            async with trio.open_nursery() as starting:
-                renderer = self.input_processor.renderer
-                if renderer is not None:  # the renderer warms up while the cores load
+            # Routing over the cores even for one: elastic scaling may add more.
+            create = partial(DPLBAsyncMPClient.create, self.config, self._executor)
+            renderer = self.input_processor.renderer
+            if renderer is None:
+                self.client = await create()
+            else:  # the renderer warms up while the cores load
+                failed: BaseException | None = None
+                async with trio.open_nursery() as starting:
                     starting.start_soon(partial(trio.to_thread.run_sync, renderer.warm_up,
                                                 limiter=self.render_limiter))
-                # Routing over the cores even for one: elastic scaling may add more.
-                self.client = await DPLBAsyncMPClient.create(self.config, self._executor)
+                    try:
+                        self.client = await create()
+                    except BaseException as exc:  # raised as is, not in the nursery's group
+                        failed = exc
+                if failed is not None:
+                    raise failed
         obs = self.config.observability_config
         if not obs.disable_log_stats:
             engines = list(range(self.config.parallel_config.data_parallel_size))
