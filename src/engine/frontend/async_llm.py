@@ -135,22 +135,7 @@ class AsyncLLM(AsyncRLMethods, AsyncElasticDPMethods, AsyncPoolingMethods):
             self.client = await AttachedMPClient.attach(self.config, attach.topology,
                                                         attach.client_index, attach.auth)
         else:
-            # Routing over the cores even for one: elastic scaling may add more.
-            create = partial(DPLBAsyncMPClient.create, self.config, self._executor)
-            renderer = self.input_processor.renderer
-            if renderer is None:
-                self.client = await create()
-            else:  # the renderer warms up while the cores load
-                failed: BaseException | None = None
-                async with trio.open_nursery() as starting:
-                    starting.start_soon(partial(trio.to_thread.run_sync, renderer.warm_up,
-                                                limiter=self.render_limiter))
-                    try:
-                        self.client = await create()
-                    except BaseException as exc:  # raised as is, not in the nursery's group
-                        failed = exc
-                if failed is not None:
-                    raise failed
+            self.client = await self._start_cores()
         obs = self.config.observability_config
         if not obs.disable_log_stats:
             engines = list(range(self.config.parallel_config.data_parallel_size))
@@ -179,6 +164,26 @@ class AsyncLLM(AsyncRLMethods, AsyncElasticDPMethods, AsyncPoolingMethods):
                 self.stat_loggers.shutdown()
         if self._errored is not None:
             raise self._errored
+
+    async def _start_cores(self) -> AsyncMPClient:
+        """The client over freshly started cores (routing over them even for one: elastic
+        scaling may add more); the image renderer warms up meanwhile."""
+        create = partial(DPLBAsyncMPClient.create, self.config, self._executor)
+        renderer = self.input_processor.renderer
+        if renderer is None:
+            return await create()
+        client: AsyncMPClient | None = None
+        failed: BaseException | None = None
+        async with trio.open_nursery() as starting:
+            starting.start_soon(partial(trio.to_thread.run_sync, renderer.warm_up,
+                                        limiter=self.render_limiter))
+            try:
+                client = await create()
+            except BaseException as exc:  # raised as is, not inside the nursery's group
+                failed = exc
+        if failed is not None or client is None:
+            raise failed or RuntimeError("the engine cores did not start")
+        return client
 
     async def __aenter__(self) -> AsyncLLM:
         self._nursery_cm = trio.open_nursery()
