@@ -86,3 +86,31 @@ def test_apply_bitmask_on_cuda_matches_cpu() -> None:
     on_gpu = logits.cuda()
     apply_bitmask(on_gpu, bitmask.cuda(), rows.cuda())
     assert torch.equal(on_gpu.cpu(), expected)
+
+
+@pytest.mark.parametrize(("vocab", "words"), [(8000, 250), (8000, 240), (70, 2), (100, 4),
+                                              (33, 1), (64, 3)])
+def test_native_kernel_equals_the_torch_reference(vocab: int, words: int) -> None:
+    # float32 CPU logits take the C kernel (grammar_mask.c): whole allowed words skipped,
+    # whole forbidden words filled, mixed words bit by bit; tokens past the bitmask forbidden.
+    from ringserve.gpu.native import panel as panel_native
+
+    if panel_native.load_library() is None:
+        pytest.skip("no C compiler: the C kernel is not built here")
+    gen = torch.Generator().manual_seed(vocab + words)
+    rows_total, k = 9, 5
+    logits = torch.randn(rows_total, vocab, generator=gen)
+    bitmask = torch.randint(-2**31, 2**31 - 1, (k, words), dtype=torch.int64,
+                            generator=gen).to(torch.int32)
+    bitmask[:, ::3] = 0
+    bitmask[:, 1::4] = -1
+    rows = torch.tensor([7, 0, 3, 8, 2])
+    native, reference = logits.clone(), logits.clone()
+    assert grammar_mask._apply_native(native, bitmask, rows)
+    apply_bitmask_torch(reference, bitmask, rows)
+    assert torch.equal(native, reference)
+    native, reference = logits.clone(), logits.clone()
+    assert grammar_mask._apply_native(native[:k], bitmask, None)  # a view: rows 0..k-1
+    apply_bitmask_torch(reference[:k], bitmask)
+    assert torch.equal(native, reference)
+    assert not grammar_mask._apply_native(logits.to(torch.bfloat16), bitmask, rows)

@@ -51,7 +51,7 @@ logger = logging.getLogger(__name__)
 _DIR = Path(__file__).parent
 SOURCES = (_DIR / "panel_f32.c", _DIR / "panel_bf16.c", _DIR / "panel_pack.c",
            _DIR / "panel_quant.c", _DIR / "decode_step.c", _DIR / "cpu_decode.c",
-           _DIR / "moe_cpu.c")
+           _DIR / "moe_cpu.c", _DIR / "grammar_mask.c")
 HEADERS = (_DIR / "panel.h", _DIR / "fast_exp.h", _DIR / "cpu_decode.h", _DIR / "moe_cpu.h")
 
 PANEL = 16  # output channels per panel (RS_PANEL)
@@ -401,6 +401,8 @@ def _load() -> ctypes.CDLL | None:
     library.rs_panel_rows.restype = ctypes.c_int
     _declare_step(library)
     _declare_moe(library)
+    library.rs_apply_bitmask.argtypes = [ptr, i64, i64, ptr, i64, ptr, i64, ctypes.c_int]
+    library.rs_apply_bitmask.restype = ctypes.c_int
     return library
 
 

@@ -41,6 +41,28 @@ def _xgrammar_kernel() -> Callable[..., None] | None:
     return _kernel
 
 
+def _apply_native(logits: torch.Tensor, bitmask: torch.Tensor,
+                  rows: torch.Tensor | None) -> bool:
+    """The C kernel (`ringserve.gpu.native`, grammar_mask.c) for float32 CPU logits; False
+    where it does not apply (another dtype or device, no compiler)."""
+    if (logits.dtype != torch.float32 or logits.device.type != "cpu"
+            or logits.dim() != 2 or logits.stride(1) != 1):
+        return False
+    from ringserve.gpu.native import panel as panel_native
+
+    library = panel_native.load_library()
+    if library is None:
+        return False
+    k = bitmask.shape[0]
+    mask = bitmask.to(dtype=torch.int32).contiguous()
+    index = (torch.arange(k, dtype=torch.int64) if rows is None
+             else rows.to(dtype=torch.int64).contiguous())
+    library.rs_apply_bitmask(logits.data_ptr(), logits.stride(0), logits.shape[1],
+                             mask.data_ptr(), mask.shape[1], index.data_ptr(), k,
+                             torch.get_num_threads())
+    return True
+
+
 def apply_bitmask_torch(logits: torch.Tensor, bitmask: torch.Tensor,
                         rows: torch.Tensor | None = None) -> None:
     """`apply_bitmask` in plain torch (the reference, and the path without xgrammar)."""
@@ -73,6 +95,8 @@ def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor,
     """
     k = bitmask.shape[0]
     if k == 0:
+        return
+    if _apply_native(logits, bitmask, rows):
         return
     kernel = _xgrammar_kernel()
     if (kernel is None or logits.dtype not in _KERNEL_DTYPES or not logits.is_contiguous()
