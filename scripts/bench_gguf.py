@@ -12,10 +12,13 @@ output's token count is checked. Medians (range) of `--runs`.
 Memory: the model loaded in this process by the model runner (the engine core's code) in each
 mode: the bytes of every distinct tensor it keeps (parameters, buffers, the panels with their
 scales and mins: what the weights occupy), against the file's size, and the growth of this
-process's RSS over the load.
+process's RSS over the load; and the peak RSS while loading (issue 45, item 4): in a fresh
+process per mode and `--quantization` (RINGSERVE_ENABLE_MULTIPROCESSING=0), the model runner's
+`load_model` with VmHWM reset just before it, peak minus the RSS before it (`--memory-only`
+prints this table alone).
 
     .venv/bin/python scripts/bench_gguf.py [--batches 1 32] [--tokens 32] [--runs 3]
-        [--threads 2] [--gguf FILE.gguf]
+        [--threads 2] [--gguf FILE.gguf] [--memory-only]
 """
 
 from __future__ import annotations
@@ -87,6 +90,50 @@ def weight_bytes(gguf: Path, dequantize: bool) -> tuple[int, int, str]:
     return total, grown, ", ".join(sorted(formats))
 
 
+_PEAK = """
+import json, sys, torch
+from pathlib import Path
+from ringserve.engine.arg_utils import EngineArgs
+from ringserve.gpu.runner.model_runner import ModelRunner
+def status(key):
+    line = next(x for x in Path("/proc/self/status").read_text().splitlines()
+                if x.startswith(key + ":"))
+    return int(line.split()[1]) * 1024
+flags = json.loads(sys.argv[1])
+config = EngineArgs(device="cpu", max_model_len=512, **flags).create_engine_config()
+runner = ModelRunner(config, torch.device("cpu"))
+Path("/proc/self/clear_refs").write_text("5")  # VmHWM from here on
+before = status("VmRSS")
+runner.load_model()
+print(status("VmHWM") - before)
+"""
+
+
+def load_peak(gguf: Path, flags: dict[str, Any]) -> int:
+    """Peak RSS growth over `load_model` of `gguf` with these engine flags, in a fresh
+    process (the engine core's load, in-process)."""
+    import json
+    import subprocess
+
+    env = {**os.environ, "RINGSERVE_ENABLE_MULTIPROCESSING": "0"}
+    out = subprocess.run([sys.executable, "-c", _PEAK, json.dumps({"model": str(gguf), **flags})],
+                         env=env, check=True, capture_output=True, text=True).stdout
+    return int(out.split()[-1])
+
+
+def print_load_peaks(gguf: Path) -> None:
+    """The peak-RSS table: each way of serving the file, against the file's size."""
+    size = gguf.stat().st_size
+    print("| mode | peak RSS growth while loading, MB | x file |")
+    print("|---|---:|---:|")
+    for name, flags in [("codes (default, gguf)", {}),
+                        ("--quantization int4", {"quantization": "int4"}),
+                        ("--quantization int8", {"quantization": "int8"}),
+                        ("--gguf-dequantize", {"gguf_dequantize": True})]:
+        peak = load_peak(gguf, flags)
+        print(f"| {name} | {peak / 1e6:.1f} | {peak / size:.2f} |")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 32])
@@ -95,6 +142,8 @@ def main() -> int:
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--gguf", type=Path, default=None)
+    parser.add_argument("--memory-only", action="store_true",
+                        help="print the peak-RSS-while-loading table alone")
     args = parser.parse_args()
     os.environ["OMP_NUM_THREADS"] = str(args.threads)
     import torch
@@ -107,6 +156,9 @@ def main() -> int:
     for line in header_lines(args.threads):
         print(line)
     print(f"model: {gguf.name} ({gguf.stat().st_size / 1e6:.1f} MB)")
+    if args.memory_only:
+        print_load_peaks(gguf)
+        return 0
     llms = {name: LLM(str(gguf), device="cpu", gguf_dequantize=deq, disable_log_stats=True,
                       max_num_seqs=max(args.batches), max_model_len=512)
             for name, deq in MODES.items()}
@@ -159,6 +211,8 @@ def main() -> int:
         kept, grown, formats = weight_bytes(gguf, deq)
         print(f"| {name} | {kept / 1e6:.1f} | {kept / size:.2f} | {grown / 1e6:.1f} | "
               f"{formats} |")
+    print()
+    print_load_peaks(gguf)
     load = os.getloadavg()
     print(f"\nload average at the end: {' '.join(f'{x:.2f}' for x in load)}")
     return 0

@@ -97,7 +97,10 @@ class BlockCodes:
             memory_format=torch.contiguous_format))
 
     def rows(self, start: int, size: int) -> BlockCodes:
-        """Output rows start .. start + size - 1 (a column-parallel shard)."""
+        """Output rows start .. start + size - 1 (a column-parallel shard; all of them: these
+        codes, not a copy)."""
+        if start == 0 and size == self.codes.shape[0]:
+            return self
         return self._slice(lambda t, _: t[start:start + size])
 
     def columns(self, start: int, size: int) -> BlockCodes | None:
@@ -105,6 +108,8 @@ class BlockCodes:
         whole groups of 32."""
         if start % GROUP or size % GROUP:
             return None
+        if start == 0 and size == self.codes.shape[1]:
+            return self
         g0, gn = start // GROUP, size // GROUP
         return self._slice(lambda t, grouped: t[:, g0:g0 + gn] if grouped
                            else t[:, start:start + size])
@@ -180,10 +185,14 @@ class FileTensor:
     Attributes:
         qtype: its GGUF type name ("Q4_1", "Q6_K", "F16", ...).
         decoder: the codes' decoder for the four types that keep them (METHODS), else None.
+        dequantized: for a deferred tensor (`is_deferred`: its floats were not made when it
+            was read), what makes them: the float32 tensor, exactly as it would have been
+            read. None: the tensor carrying this source holds its floats.
     """
 
     qtype: str
     decoder: Callable[[], BlockCodes] | None = None
+    dequantized: Callable[[], torch.Tensor] | None = None
 
     @property
     def method(self) -> str | None:
@@ -218,3 +227,21 @@ def attached(weight: torch.Tensor) -> BlockCodes | None:
     """The codes `weight` was dequantized from, or None (another type, or no GGUF file)."""
     source = source_of(weight)
     return None if source is None else source.codes()
+
+
+def is_deferred(weight: torch.Tensor) -> bool:
+    """Whether `weight` stands for a GGUF tensor whose floats were not made: a tensor on the
+    meta device (any copy out of it fails) that carries its codes and the means to make the
+    floats (`floats`). The loader reads a quantized model's code-holding tensors so, so a
+    layer that keeps the codes never holds a float copy of them."""
+    source = source_of(weight)
+    return weight.is_meta and source is not None and source.dequantized is not None
+
+
+def floats(weight: torch.Tensor) -> torch.Tensor:
+    """`weight`'s float32 values: itself, or for a deferred tensor the floats made now (the
+    whole tensor, exactly as a float read gives them; without the source attached)."""
+    source = source_of(weight)
+    if not weight.is_meta or source is None or source.dequantized is None:
+        return weight
+    return source.dequantized()

@@ -160,7 +160,8 @@ def _drop_tokens_past_vocab(tokenizer_json: Path, vocab_rows: int) -> None:
         tokenizer_json.write_text(json.dumps(data, ensure_ascii=False))
 
 
-def iterate_gguf_weights(path: Path, hf_config: dict[str, Any]) -> Iterator[tuple[str, torch.Tensor]]:
+def iterate_gguf_weights(path: Path, hf_config: dict[str, Any], *, deferred: bool = False
+                         ) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (Hugging Face name, float32 tensor) for every weight of GGUF `path`, one at a time.
 
     Names are those of the Hugging Face checkpoint (`model.layers.N.self_attn.q_proj.weight`,
@@ -170,6 +171,9 @@ def iterate_gguf_weights(path: Path, hf_config: dict[str, Any]) -> Iterator[tupl
     Args:
         path: the GGUF file.
         hf_config: its config (as `gguf_hf_config` returned it, or read back from config.json).
+        deferred: yield the 2-D tensors whose codes a quantized layer keeps without their
+            floats (`gguf_codes.is_deferred`; the layers make the floats only where they
+            need them), so a quantized model loads without its float copy.
 
     Raises:
         ModelDirectoryError: as `gguf_hf_config`.
@@ -179,5 +183,5 @@ def iterate_gguf_weights(path: Path, hf_config: dict[str, Any]) -> Iterator[tupl
     arch = gguf_config.architecture(path, header.metadata)
     gguf_weights.check_tensors(path, header.tensors, arch, int(hf_config["num_hidden_layers"]))
     yield from gguf_weights.iterate_weights(
-        path, header.tensors, hf_config, permuted=arch == "llama"
+        path, header.tensors, hf_config, permuted=arch == "llama", deferred=deferred
     )

@@ -7,7 +7,9 @@ order and dequantizes with gguf-py's reference code (`gguf.quants.dequantize`). 
 bytes are read with `readinto` into a buffer of their own rather than through a memory map of
 the file, so mapped pages do not pile up in the worker's resident memory (as
 `ringserve.checkpoint.safetensors_file` explains): peak memory is the model plus one tensor's
-bytes and its float32 copy. `check_tensors` validates names, types and extents from the
+bytes and its float32 copy. A quantized model's loader asks for the tensors whose codes its
+layers keep deferred (`read_tensor(deferred=True)`): nothing is read until a layer packs them,
+so neither their floats nor the file's bytes pile up. `check_tensors` validates names, types and extents from the
 header alone, so a bad file fails in the frontend. Used by `ringserve.checkpoint.gguf_file`.
 """
 
@@ -119,8 +121,18 @@ def check_tensors(path: Path, tensors: tuple[TensorInfo, ...], arch: str, num_la
         )
 
 
-def read_tensor(path: Path, handle: io.BufferedReader, tensor: TensorInfo) -> torch.Tensor:
+def read_tensor(path: Path, handle: io.BufferedReader, tensor: TensorInfo, *,
+                deferred: bool = False) -> torch.Tensor:
     """One tensor of an open GGUF file as float32, in Hugging Face (row-major) shape.
+
+    Args:
+        path: the file (for messages).
+        handle: the file, open.
+        tensor: which tensor.
+        deferred: a 2-D tensor of a type whose codes a quantized layer keeps (`gguf_codes.
+            METHODS`) comes back deferred (`gguf_codes.is_deferred`: a meta tensor holding
+            only the file's bytes; `gguf_codes.floats` makes its floats), so that a layer that
+            keeps its codes never holds its float32 copy.
 
     Raises:
         ModelDirectoryError: the file ends inside the tensor, or a row is not whole blocks.
@@ -135,24 +147,52 @@ def read_tensor(path: Path, handle: io.BufferedReader, tensor: TensorInfo) -> to
             f"GGUF file {path}: tensor {tensor.name!r} rows of {row} are not whole "
             f"{qtype.name} blocks of {block}"
         )
-    raw = np.empty(math.prod(tensor.shape) // block * type_size, dtype=np.uint8)
+    size = math.prod(tensor.shape) // block * type_size
+    shape = tuple(int(d) for d in tensor.shape)
+
+    def dequantized(raw: np.ndarray) -> torch.Tensor:
+        if qtype == gguf.GGMLQuantizationType.F32:
+            values = raw.view(np.float32)
+        else:
+            values = gguf.quants.dequantize(raw.reshape(-1, row // block * type_size), qtype)
+        array = np.ascontiguousarray(values, dtype=np.float32).reshape(shape)
+        return torch.from_numpy(array)
+
+    if len(shape) == 2 and deferred and qtype.name in gguf_codes.METHODS:
+        # Nothing is read now: the codes (or floats) are read from the file when a layer
+        # asks, so the loaded model never holds the file's bytes beside its panels.
+        def read() -> np.ndarray:
+            with path.open("rb") as again:
+                return _read_raw(path, again, tensor, size)
+
+        rows_cols = (shape[0], shape[1])
+        weight = torch.empty(shape, dtype=torch.float32, device="meta")
+        return gguf_codes.attach(weight, gguf_codes.FileTensor(
+            qtype.name, lambda: gguf_codes.decode(read(), qtype.name, rows_cols),
+            lambda: dequantized(read())))
+    raw = _read_raw(path, handle, tensor, size)
+    if len(shape) != 2:
+        return dequantized(raw)
+    # The type picks the layer's panels under "gguf"; a layer quantized by the codes'
+    # method keeps them (decoded only if one asks).
+    rows_cols = (shape[0], shape[1])
+    decoder = (None if qtype.name not in gguf_codes.METHODS
+               else lambda: gguf_codes.decode(raw, qtype.name, rows_cols))
+    return gguf_codes.attach(dequantized(raw), gguf_codes.FileTensor(qtype.name, decoder))
+
+
+def _read_raw(path: Path, handle: io.BufferedReader, tensor: TensorInfo, size: int
+              ) -> np.ndarray:
+    """The `size` bytes of `tensor`, read into a buffer of their own.
+
+    Raises:
+        ModelDirectoryError: the file ends inside the tensor.
+    """
+    raw = np.empty(size, dtype=np.uint8)
     handle.seek(tensor.offset)
     if handle.readinto(raw.data) != raw.size:
         raise ModelDirectoryError(f"GGUF file {path} is truncated inside tensor {tensor.name!r}")
-    if qtype == gguf.GGMLQuantizationType.F32:
-        values = raw.view(np.float32)
-    else:
-        values = gguf.quants.dequantize(raw.reshape(-1, row // block * type_size), qtype)
-    array = np.ascontiguousarray(values, dtype=np.float32).reshape(tensor.shape)
-    weight = torch.from_numpy(array)
-    if len(tensor.shape) == 2:
-        # The type picks the layer's panels under "gguf"; a layer quantized by the codes'
-        # method keeps them (decoded only if one asks).
-        shape = (int(tensor.shape[0]), int(tensor.shape[1]))
-        decoder = (None if qtype.name not in gguf_codes.METHODS
-                   else lambda: gguf_codes.decode(raw, qtype.name, shape))
-        gguf_codes.attach(weight, gguf_codes.FileTensor(qtype.name, decoder))
-    return weight
+    return raw
 
 
 def unpermute(weight: torch.Tensor, n_head: int) -> torch.Tensor:
@@ -166,7 +206,8 @@ def unpermute(weight: torch.Tensor, n_head: int) -> torch.Tensor:
 
 
 def iterate_weights(
-    path: Path, tensors: tuple[TensorInfo, ...], hf_config: dict[str, Any], *, permuted: bool
+    path: Path, tensors: tuple[TensorInfo, ...], hf_config: dict[str, Any], *, permuted: bool,
+    deferred: bool = False,
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (Hugging Face name, float32 tensor) for every model tensor of the file.
 
@@ -175,6 +216,7 @@ def iterate_weights(
         tensors: its tensors (checked with `check_tensors`).
         hf_config: the config dict (num_attention_heads, num_key_value_heads).
         permuted: q/k rows are in llama.cpp's order (the "llama" architecture).
+        deferred: yield code-holding 2-D tensors deferred (see `read_tensor`).
     """
     heads = int(hf_config["num_attention_heads"])
     kv_heads = int(hf_config.get("num_key_value_heads") or heads)
@@ -183,7 +225,7 @@ def iterate_weights(
             name = hf_name(tensor.name)
             if name is None:
                 continue
-            weight = read_tensor(path, handle, tensor)
+            weight = read_tensor(path, handle, tensor, deferred=deferred)
             n_head = (heads if ".self_attn.q_proj." in name
                       else kv_heads if ".self_attn.k_proj." in name else 0)
             if permuted and n_head:
@@ -192,13 +234,13 @@ def iterate_weights(
 
 
 def _unpermuted(weight: torch.Tensor, n_head: int) -> torch.Tensor:
-    """`unpermute`, carrying the type and codes `weight` may have along (in the same
-    order)."""
+    """`unpermute`, carrying the type, codes and deferred floats `weight` may have along (in
+    the same order)."""
     out = unpermute(weight, n_head)
     source = gguf_codes.source_of(weight)
     if source is None:
         return out
-    if source.decoder is None:
+    if source.decoder is None and source.dequantized is None:
         return gguf_codes.attach(out, source)
 
     def decoder() -> gguf_codes.BlockCodes:
@@ -206,4 +248,7 @@ def _unpermuted(weight: torch.Tensor, n_head: int) -> torch.Tensor:
         assert blocks is not None
         return blocks.map_rows(lambda t: unpermute(t, n_head))
 
-    return gguf_codes.attach(out, gguf_codes.FileTensor(source.qtype, decoder))
+    make = source.dequantized
+    dequantized = None if make is None else lambda: unpermute(make(), n_head)
+    return gguf_codes.attach(out, gguf_codes.FileTensor(
+        source.qtype, None if source.decoder is None else decoder, dequantized))

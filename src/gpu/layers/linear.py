@@ -183,15 +183,22 @@ class ColumnParallelLinear(nn.Module):
         size = self.local_sizes[shard_id]
         full = size * self.shard_ranks[shard_id]
         check_shape(loaded, (full, _weight_shape(self)[1]) if name == "weight" else (full,))
-        src = loaded.narrow(0, self._shard_index(shard_id) * size, size)
+        start = self._shard_index(shard_id) * size
+        if name == "weight" and _defers(self, loaded):
+            # Its floats are made when the layer is processed, only if it does not keep the
+            # codes (`_resolve`).
+            self._parts.append(_Part(self.offsets[shard_id], start, size, False,
+                                     gguf_codes.source_of(loaded), deferred=True))
+            return
+        src = gguf_codes.floats(loaded).narrow(0, start, size)
         if name == "weight" and _loads_into_panel(self):
             assert self.panel is not None
             panel_native.pack_rows(_library(), src, self.panel.data, self.offsets[shard_id])
             return
         param.data.narrow(0, self.offsets[shard_id], size).copy_(src)
         if name == "weight":
-            self._parts.append(_Part(self.offsets[shard_id], self._shard_index(shard_id) * size,
-                                     size, False, _source(self, loaded)))
+            self._parts.append(_Part(self.offsets[shard_id], start, size, False,
+                                     _source(self, loaded)))
         if name == "bias":
             _sync_folded_bias(self)
 
@@ -249,7 +256,11 @@ class RowParallelLinear(nn.Module):
             return
         check_shape(loaded, (out_features, self.local_in * self.tp.world_size))
         start = self.tp.rank * self.local_in
-        shard = loaded.narrow(1, start, self.local_in)
+        if _defers(self, loaded):  # as in ColumnParallelLinear.load
+            self._parts = [_Part(0, start, self.local_in, True, gguf_codes.source_of(loaded),
+                                 deferred=True)]
+            return
+        shard = gguf_codes.floats(loaded).narrow(1, start, self.local_in)
         if _loads_into_panel(self):
             assert self.panel is not None
             panel_native.pack_rows(_library(), shard, self.panel.data, 0)
@@ -342,6 +353,16 @@ class _Part:
     size: int
     columns: bool
     source: FileTensor | None
+    deferred: bool = False  # its floats are not in the layer's weight (yet)
+
+    def fill(self, weight: torch.Tensor) -> None:
+        """Write this deferred part's floats into its rows (or columns) of `weight`."""
+        assert self.source is not None and self.source.dequantized is not None
+        values = self.source.dequantized()
+        if self.columns:
+            weight.copy_(values.narrow(1, self.start, self.size))
+        else:
+            weight.narrow(0, self.offset, self.size).copy_(values.narrow(0, self.start, self.size))
 
     def codes(self, method: str) -> BlockCodes | None:
         """This part's codes if its GGUF tensor holds codes of `method` (None: a shard of
@@ -363,20 +384,34 @@ def _source(layer: ColumnParallelLinear | RowParallelLinear, loaded: torch.Tenso
     return None if layer.quantization is None else gguf_codes.source_of(loaded)
 
 
+def _defers(layer: ColumnParallelLinear | RowParallelLinear, loaded: torch.Tensor) -> bool:
+    """Whether `layer` takes deferred tensor `loaded` (`gguf_codes.is_deferred`) without its
+    floats: a quantized layer not yet processed (it may keep the codes); any other layer
+    makes the floats at once."""
+    return (gguf_codes.is_deferred(loaded) and layer.quantization is not None
+            and layer.panel is None and layer.packed is None)
+
+
 def _resolve(layer: ColumnParallelLinear | RowParallelLinear
              ) -> tuple[str | None, list[tuple[int, BlockCodes]], bool]:
     """(the layer's method, the rows that keep their GGUF codes, whether int8 rows without
     codes are rounded per group of 32) once every part is loaded; forgets the parts. Codes
-    are kept by a float32 layer only (as they always were)."""
+    are kept by a float32 layer only (as they always were). A deferred part that does not
+    keep its codes gets its floats now, one part at a time."""
     parts, layer._parts = layer._parts, []
     method, fine = layer.quantization, False
     if method == GGUF_MODE:
         method = gguf_codes.layer_method(p.source.qtype if p.source else None for p in parts)
         # Rounded from a finer source (Q6_K's scale per 16 inputs): a scale per group of 32.
         fine = method == "int8" and layer.weight.shape[1] % INT4_GROUP_SIZE == 0
-    if method is None or layer.weight.dtype != torch.float32:
-        return method, [], fine
-    as_is = [(p.offset, codes) for p in parts if (codes := p.codes(method)) is not None]
+    as_is: list[tuple[int, BlockCodes]] = []
+    for part in parts:
+        codes = (part.codes(method) if method is not None
+                 and layer.weight.dtype == torch.float32 else None)
+        if codes is not None:
+            as_is.append((part.offset, codes))
+        elif part.deferred:
+            part.fill(layer.weight.data)
     return method, as_is, fine
 
 

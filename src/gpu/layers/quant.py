@@ -170,8 +170,12 @@ def quantize(weight: torch.Tensor, method: str,
         if list(as_is):
             raise ValueError("bf16 panels take no GGUF codes")
         return panel_native.pack_bf16(weight)
-    q = quantize_codes(weight, method, int8_groups=int8_groups and method == "int8")
     as_is = list(as_is)
+    if (as_is and weight.dim() == 2 and weight.dtype.is_floating_point
+            and weight.shape[1] % INT4_GROUP_SIZE == 0):
+        check_method(method)
+        return pack(_with_codes(weight, method, as_is, int8_groups=int8_groups))
+    q = quantize_codes(weight, method, int8_groups=int8_groups and method == "int8")
     if method == "int8" and (as_is or grouped) and q.scales.dim() == 1:
         q = _per_group(q)
     for row0, blocks in as_is:
@@ -186,6 +190,62 @@ def quantize(weight: torch.Tensor, method: str,
         if q.mins is not None and blocks.mins is not None:
             q.mins[row0:row0 + rows] = blocks.mins.to(q.mins.dtype)
     return pack(q)
+
+
+def _with_codes(weight: torch.Tensor, method: str, as_is: list[tuple[int, BlockCodes]], *,
+                int8_groups: bool) -> QuantCodes:
+    """`quantize`'s codes of a weight some of whose rows keep GGUF codes: those rows copied
+    as they are (their rows of `weight` are never read: a layer loaded from deferred tensors
+    leaves them unwritten), the others rounded row range by row range (each row is rounded
+    on its own, so this is what rounding the whole weight gives), int8 with a scale per group
+    of 32 inputs throughout. Codes are kept in their own byte width (int8, or uint8 for
+    int4), not widened to the whole weight's int32. `weight` is 2-D float with whole groups
+    of 32 inputs."""
+    n, k = weight.shape
+    if len(as_is) == 1:  # codes for every row (one GGUF tensor): used as they are
+        row0, blocks = as_is[0]
+        dtype = torch.int8 if method == "int8" else torch.uint8
+        if (row0 == 0 and blocks.method == method and tuple(blocks.codes.shape) == (n, k)
+                and blocks.codes.dtype == dtype and blocks.scales.dtype == weight.dtype
+                and (blocks.mins is None) == (method == "int8")):
+            return QuantCodes(method, blocks.codes, blocks.scales, blocks.mins, INT4_GROUP_SIZE)
+    keep = torch.zeros(n, dtype=torch.bool)
+    for row0, blocks in as_is:
+        rows = blocks.codes.shape[0]
+        if (blocks.method != method or blocks.codes.shape[1] != k or row0 + rows > n):
+            raise ValueError(f"quantization {method}: {blocks.method} codes "
+                             f"{list(blocks.codes.shape)} at row {row0} do not fit a weight "
+                             f"of {[n, k]}")
+        keep[row0:row0 + rows] = True
+    groups = k // INT4_GROUP_SIZE
+    codes = torch.empty(n, k, dtype=torch.int8 if method == "int8" else torch.uint8)
+    scales = torch.empty(n, groups, dtype=weight.dtype)
+    mins = None if method == "int8" else torch.empty(n, groups, dtype=weight.dtype)
+    for start, stop in _runs(~keep):
+        part = quantize_codes(weight[start:stop], method,
+                              int8_groups=int8_groups and method == "int8")
+        if part.scales.dim() == 1:
+            part = _per_group(part)
+        codes[start:stop] = part.codes.to(codes.dtype)
+        scales[start:stop] = part.scales
+        if mins is not None and part.mins is not None:
+            mins[start:stop] = part.mins
+    for row0, blocks in as_is:
+        rows = blocks.codes.shape[0]
+        codes[row0:row0 + rows] = blocks.codes.to(codes.dtype)
+        scales[row0:row0 + rows] = blocks.scales.to(scales.dtype)
+        if mins is not None and blocks.mins is not None:
+            mins[row0:row0 + rows] = blocks.mins.to(mins.dtype)
+    return QuantCodes(method, codes, scales, mins, INT4_GROUP_SIZE)
+
+
+def _runs(mask: torch.Tensor) -> list[tuple[int, int]]:
+    """The (start, stop) of every run of True in the 1-D `mask`."""
+    edges = torch.diff(mask.to(torch.int8), prepend=torch.zeros(1, dtype=torch.int8),
+                       append=torch.zeros(1, dtype=torch.int8))
+    starts = torch.nonzero(edges == 1).flatten().tolist()
+    stops = torch.nonzero(edges == -1).flatten().tolist()
+    return list(zip(starts, stops, strict=True))
 
 
 def _per_group(q: QuantCodes) -> QuantCodes:

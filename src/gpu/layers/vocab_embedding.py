@@ -50,9 +50,12 @@ class VocabParallelEmbedding(nn.Module):
         self.rows_per_rank = padded // tp.world_size
         self.vocab_start = tp.rank * self.rows_per_rank
         self.vocab_end = min(self.vocab_start + self.rows_per_rank, num_embeddings)
-        self.weight = nn.Parameter(
-            torch.zeros(self.rows_per_rank, embedding_dim, dtype=dtype), requires_grad=False
-        )
+        # Untouched until loaded (only the padding rows are zeroed): rows that a quantized
+        # LM head takes as a GGUF file's codes and that lookups read from its panels are never
+        # written, and take no memory.
+        weight = torch.empty(self.rows_per_rank, embedding_dim, dtype=dtype)
+        weight[self.vocab_end - self.vocab_start:].zero_()
+        self.weight = nn.Parameter(weight, requires_grad=False)
         self.embedding_dim = embedding_dim
         # Called after each `load` once the weights are processed: a tied LM head repacks its
         # panels from the new rows (a weight update loading a processed model).
@@ -64,6 +67,9 @@ class VocabParallelEmbedding(nn.Module):
         # tensor the matrix came from (`source`), whose codes the head may keep as they are.
         self.record_source = False
         self.source: FileTensor | None = None
+        # With `record_source`, a deferred matrix (`gguf_codes.is_deferred`) is not copied
+        # until someone needs its floats (`materialize`): the head may keep its codes.
+        self._deferred: FileTensor | None = None
 
     def load(self, name: str, loaded: torch.Tensor, shard_id: int = 0) -> None:
         """Copy this rank's vocabulary rows from the full checkpoint matrix (reading from a
@@ -76,12 +82,24 @@ class VocabParallelEmbedding(nn.Module):
             self._load_into_panels(self.panel_rows, loaded)
             return
         check_shape(loaded, (self.num_embeddings, self.embedding_dim))
-        rows = self.vocab_end - self.vocab_start
-        self.weight.data[:rows].copy_(loaded.narrow(0, self.vocab_start, rows))
         if self.record_source:
             self.source = gguf_codes.source_of(loaded)
+        if self.record_source and gguf_codes.is_deferred(loaded):
+            self._deferred = self.source
+            return
+        self._deferred = None
+        rows = self.vocab_end - self.vocab_start
+        self.weight.data[:rows].copy_(gguf_codes.floats(loaded).narrow(0, self.vocab_start, rows))
         if self.on_load is not None:
             self.on_load()
+
+    def materialize(self) -> None:
+        """Copy in the floats of a matrix loaded deferred (none: nothing to do)."""
+        source, self._deferred = self._deferred, None
+        if source is None or source.dequantized is None:
+            return
+        rows = self.vocab_end - self.vocab_start
+        self.weight.data[:rows].copy_(source.dequantized().narrow(0, self.vocab_start, rows))
 
     def _load_into_panels(self, panels: PanelWeight, loaded: torch.Tensor) -> None:
         """This rank's vocabulary rows of the full matrix, packed straight into float32
@@ -100,6 +118,7 @@ class VocabParallelEmbedding(nn.Module):
         parameter that replaces the rows, for the head to share."""
         self.panel_rows = panels
         self.on_load = None
+        self._deferred = None  # its floats are never needed: the panels hold them
         empty = nn.Parameter(torch.empty(0, self.embedding_dim, dtype=self.weight.dtype,
                                          device=self.weight.device), requires_grad=False)
         self.weight = empty
@@ -182,14 +201,19 @@ class ParallelLMHead(VocabParallelEmbedding):
                      and source.method == self.quantization else None)
             rows = self.vocab_end - self.vocab_start
             as_is = [] if codes is None else [(0, codes.rows(self.vocab_start, rows))]
+            del codes
+            if not as_is:
+                loader.materialize()
             # As the linears under "gguf": int8 rounded from a finer type, per group of 32.
             fine = (by_type and self.quantization == "int8"
                     and self.embedding_dim % INT4_GROUP_SIZE == 0)
             self.panel = quantize(weight.data, self.quantization, as_is, int8_groups=fine)
             self.rows_as_is = rows if as_is else 0
-        elif (weight.device.type == "cpu" and weight.dtype == torch.float32
-                and panel_native.load_library() is not None):
-            self.panel = panel_native.pack_f32(weight.data)
+        else:
+            loader.materialize()
+            if (weight.device.type == "cpu" and weight.dtype == torch.float32
+                    and panel_native.load_library() is not None):
+                self.panel = panel_native.pack_f32(weight.data)
         if self.panel is not None:
             if not keep_weight:
                 self.weight = nn.Parameter(torch.empty(0, dtype=weight.dtype),
@@ -224,6 +248,7 @@ class ParallelLMHead(VocabParallelEmbedding):
         gives it float rows of its own again (`refresh_from`)."""
         panel = self.panel
         if panel is None:
+            embedding.materialize()
             return
         readable = (embedding.weight.dtype == torch.float32
                     and embedding.weight.device.type == "cpu")
@@ -237,6 +262,7 @@ class ParallelLMHead(VocabParallelEmbedding):
             exact = (panel.format == "bf16"
                      or self.rows_as_is == self.vocab_end - self.vocab_start)
             if not (exact and readable and panel_native.load_library() is not None):
+                embedding.materialize()  # it keeps rows of its own
                 return
             self._reader = (embedding,)
         self.weight = embedding.read_from_panels(panel)  # still one shared parameter

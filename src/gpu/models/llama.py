@@ -295,6 +295,8 @@ class LlamaForCausalLM(nn.Module):
             keep_weight=tied, tied_to=self.model.embed_tokens if tied else None)
         if self.spec.tie_word_embeddings:
             self.lm_head.tie_panels(self.model.embed_tokens)
+        # A GGUF matrix loaded deferred gets its floats unless the lookups read the panels.
+        self.model.embed_tokens.materialize()
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load checkpoint tensors one at a time, sharded for this rank.

@@ -4,7 +4,9 @@ The worker calls `load_model`: it builds the architecture's model from the regis
 the target device in the configured dtype, then streams the checkpoint tensor by tensor into it
 (`ringserve.checkpoint.safetensors_file.TensorReader` reads each tensor into a buffer of its
 own, not through mmap; GGUF tensors are dequantized one at a time by
-`ringserve.checkpoint.gguf_file`); each parallel layer narrows a tensor to this rank's shard and
+`ringserve.checkpoint.gguf_file`, or, for a quantized model, the ones whose codes the layers
+keep come as their bytes only, deferred, and a layer makes floats of those only where it
+needs them); each parallel layer narrows a tensor to this rank's shard and
 copies it into its parameter, converting the dtype (bf16 weights into float32 compute on CPU).
 So peak memory is the model plus one checkpoint tensor. Then the model repacks its weights for
 the device (`process_weights_after_loading`: oneDNN's layout on CPU). `--load-format dummy`
@@ -48,7 +50,11 @@ def load_model(
         from ringserve.checkpoint.gguf_file import iterate_gguf_weights
 
         path = Path(config.weights)
-        _load(model, iterate_gguf_weights(path, config.hf_config), lambda: str(path))
+        # A quantized model reads the tensors whose codes its layers keep without their
+        # floats (made by a layer only where it needs them): no float copy of the model.
+        weights = iterate_gguf_weights(path, config.hf_config,
+                                       deferred=config.quantization is not None)
+        _load(model, weights, lambda: str(path))
     else:
         reader = TensorReader(checkpoint_files(Path(config.weights)), reuse_buffer=True)
         skip = _HEAD_TENSORS if config.architecture.endswith("ForSequenceClassification") else ()
