@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_mm import jpeg_url
+from bench_mm import LoopStall, jpeg_url
 from cpu_bench import header_lines
 
 _RENDERER: Any = None
@@ -54,22 +54,13 @@ def render(url: str) -> int:
 def measure(mode: str, urls: list[str], pool: ProcessPoolExecutor | None) -> tuple[float, float]:
     import trio
 
-    stall = 0.0
+    stalls: list[float] = []
 
     async def main() -> float:
-        nonlocal stall
-        done = trio.Event()
-
-        async def ticker() -> None:
-            nonlocal stall
-            while not done.is_set():
-                before = time.perf_counter()
-                await trio.sleep(0.001)
-                stall = max(stall, time.perf_counter() - before - 0.001)
-
+        stall = LoopStall()
         start = time.perf_counter()
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(ticker)
+            nursery.start_soon(stall.watch)
             await trio.sleep(0.005)
             start = time.perf_counter()
             if mode == "inline":
@@ -89,11 +80,12 @@ def measure(mode: str, urls: list[str], pool: ProcessPoolExecutor | None) -> tup
                     while not future.done():
                         await trio.sleep(0.0005)
             elapsed = time.perf_counter() - start
-            done.set()
+            stall.stop()
+        stalls.append(stall.longest)
         return elapsed
 
     elapsed = trio.run(main)
-    return len(urls) / elapsed, stall * 1000
+    return len(urls) / elapsed, stalls[0] * 1000
 
 
 def main() -> int:

@@ -21,6 +21,7 @@ import json
 import random
 import shutil
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -159,12 +160,19 @@ def cached_model(spec: TinyModelSpec, name: str = "tiny") -> Path:
         del fields["extra_config"]  # keeps the keys of the directories built before it existed
     key = hashlib.sha256(json.dumps([FACTORY_VERSION, fields]).encode()).hexdigest()
     target = ringserve_home() / "models" / f"{name}-{spec.arch}-{key[:12]}"
+    return build_cached(target, lambda tmp: build_model_dir(tmp, spec))
+
+
+def build_cached(target: Path, build: Callable[[Path], object]) -> Path:
+    """`target`, a model directory: built (when it holds no model.safetensors) by `build`
+    into a temporary sibling renamed into place, so concurrent builders never see a
+    half-written directory (the one that loses the race keeps the winner's)."""
     if (target / "model.safetensors").is_file():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
     try:
-        build_model_dir(tmp, spec)
+        build(tmp)
         try:
             tmp.rename(target)
         except OSError:

@@ -135,8 +135,11 @@ class InputProcessor:
         params.verify_for_model(vocab_size=cfg.vocab_size, max_logprobs=cfg.max_logprobs)
         if params.structured_outputs is not None:
             self._check_constraint(params.structured_outputs)
-        text, token_ids, cache_salt = self._tokenize(prompt)
-        if isinstance(prompt, dict) and prompt.get("multi_modal_data") is not None:
+        images = isinstance(prompt, dict) and prompt.get("multi_modal_data") is not None
+        # A text prompt with images is tokenized once, after its placeholders are expanded.
+        text, token_ids, cache_salt = self._tokenize(prompt, tokenize_text=not images)
+        if images:
+            assert isinstance(prompt, dict)
             token_ids, mm_features = self._render(prompt, text, token_ids)
         self._check_prompt(token_ids, params)
         request = EngineCoreRequest(
@@ -184,7 +187,8 @@ class InputProcessor:
 
         check_structured_outputs(constraint, self.structured_backend)
 
-    def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int], str | None]:
+    def _tokenize(self, prompt: PromptType, *, tokenize_text: bool = True,
+                  ) -> tuple[str | None, list[int], str | None]:
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError("prompt: text prompts need a tokenizer; pass prompt_token_ids")
@@ -202,6 +206,8 @@ class InputProcessor:
             text = check_value(prompt.get("prompt"), str | None, "prompt")
             return text, list(ids), cache_salt
         if "prompt" in prompt:
+            if not tokenize_text:
+                return check_value(prompt["prompt"], str, "prompt"), [], cache_salt
             text, ids, _ = self._tokenize(prompt["prompt"])
             return text, ids, cache_salt
         raise ValueError("prompt: a dict prompt needs 'prompt_token_ids' or 'prompt'")

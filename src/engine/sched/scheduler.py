@@ -368,9 +368,7 @@ class Scheduler(BooksMixin):
 
     def _preempt(self, req: Request, step: _Step) -> None:
         step.unschedule(req)
-        self.kv_cache_manager.free(req)
-        if self.encoder is not None:
-            self.encoder.release(req)
+        self._free_blocks(req)
         req.status = _PREEMPTED
         req.num_computed_tokens = 0
         req.num_output_placeholders = 0

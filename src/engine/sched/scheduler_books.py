@@ -124,10 +124,15 @@ class BooksMixin(OutputMixin):
         self._free_request(req)
         self._queue_output(req, FinishReason.ERROR)
 
-    def _free_request(self, req: Request) -> None:
+    def _free_blocks(self, req: Request) -> None:
+        """Give back what a request holds while it runs: its KV blocks, and its pins on
+        the encoder cache's images (`ringserve.gpu.multimodal.scheduling`)."""
         self.kv_cache_manager.free(req)
         if self.encoder is not None:
             self.encoder.release(req)
+
+    def _free_request(self, req: Request) -> None:
+        self._free_blocks(req)
         del self.requests[req.request_id]
         if req.was_scheduled:
             self._finished_req_ids.append(req.request_id)
@@ -187,9 +192,7 @@ class BooksMixin(OutputMixin):
         Call with no step in flight. Returns the number of requests preempted."""
         running = list(self.running)
         for req in reversed(running):  # prepended in reverse: the queue keeps their order
-            self.kv_cache_manager.free(req)
-            if self.encoder is not None:
-                self.encoder.release(req)
+            self._free_blocks(req)
             req.status = _PREEMPTED
             req.num_computed_tokens = 0
             req.num_output_placeholders = 0
@@ -259,9 +262,7 @@ class BooksMixin(OutputMixin):
             return
         for req in reversed(unadmitted):  # prepended in reverse: the queue keeps their order
             req.num_computed_tokens = 0  # nothing of this step was written: nothing to cache
-            kv.free(req)
-            if self.encoder is not None:
-                self.encoder.release(req)
+            self._free_blocks(req)
             req.status = _PREEMPTED
             req.num_output_placeholders = 0
             self.waiting.prepend(req)

@@ -12,6 +12,7 @@ classes.
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Iterable, Iterator
 from typing import Any, ClassVar
 
@@ -33,6 +34,11 @@ class _VisionLanguage(LlamaForCausalLM):
 
     # (checkpoint prefix, text model prefix), tried in order.
     TEXT_PREFIXES: ClassVar[tuple[tuple[str, str], ...]] = ()
+    # The family's encoder, "module:Class" (imported when a checkpoint has a tower), and the
+    # checkpoint's own model type where the encoder reads it (the merged config carries its
+    # text model's).
+    VISION_ENCODER: ClassVar[str]
+    MODEL_TYPE: ClassVar[str | None] = None
 
     @property
     def vision_encoder(self) -> VisionEncoder | None:
@@ -55,7 +61,12 @@ class _VisionLanguage(LlamaForCausalLM):
     @classmethod
     def build_vision(cls, hf_config: dict[str, Any], dtype: str) -> VisionEncoder:
         """The family's vision encoder (on the current default device)."""
-        raise NotImplementedError(f"{cls.__name__} names no vision encoder")
+        module, name = cls.VISION_ENCODER.split(":")
+        encoder: Any = getattr(importlib.import_module(module), name)
+        if cls.MODEL_TYPE is not None:
+            hf_config = {**hf_config, "model_type": cls.MODEL_TYPE}
+        vision: VisionEncoder = encoder.from_hf_config(hf_config, _dtype(dtype), _device())
+        return vision
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """The tower's tensors to the encoder, the rest renamed to the text model."""
@@ -108,16 +119,8 @@ class Qwen2VLForConditionalGeneration(_VisionLanguage, Qwen2ForCausalLM):
     """Qwen2-VL: Qwen2 with M-RoPE, and its vision tower."""
 
     TEXT_PREFIXES = (("model.language_model.", "model."),)
-    # The checkpoint's own model type (the merged config carries its text model's).
-    MODEL_TYPE: ClassVar[str] = "qwen2_vl"
-
-    @classmethod
-    def build_vision(cls, hf_config: dict[str, Any], dtype: str) -> VisionEncoder:
-        """Qwen2-VL's (and Qwen2.5-VL's) tower and patch merger."""
-        from ringserve.gpu.multimodal.qwen2_vl import Qwen2VLVisionEncoder
-
-        return Qwen2VLVisionEncoder.from_hf_config({**hf_config, "model_type": cls.MODEL_TYPE},
-                                                   _dtype(dtype), _device())
+    VISION_ENCODER = "ringserve.gpu.multimodal.qwen2_vl:Qwen2VLVisionEncoder"
+    MODEL_TYPE = "qwen2_vl"
 
 
 class Qwen2_5_VLForConditionalGeneration(Qwen2VLForConditionalGeneration):
@@ -132,26 +135,14 @@ class Gemma3ForConditionalGeneration(_VisionLanguage, Gemma3ForCausalLM):
 
     TEXT_PREFIXES = (("model.language_model.", "model."), ("language_model.model.", "model."),
                      ("language_model.lm_head.", "lm_head."))
-
-    @classmethod
-    def build_vision(cls, hf_config: dict[str, Any], dtype: str) -> VisionEncoder:
-        """SigLIP and Gemma 3's projector."""
-        from ringserve.gpu.multimodal.gemma3_vision import Gemma3VisionEncoder
-
-        return Gemma3VisionEncoder.from_hf_config(hf_config, _dtype(dtype), _device())
+    VISION_ENCODER = "ringserve.gpu.multimodal.gemma3_vision:Gemma3VisionEncoder"
 
 
 class Idefics3ForConditionalGeneration(_VisionLanguage, LlamaForCausalLM):
     """Idefics3 / SmolVLM: Llama, its SigLIP-style tower and pixel-shuffle connector."""
 
     TEXT_PREFIXES = (("model.text_model.", "model."),)
-
-    @classmethod
-    def build_vision(cls, hf_config: dict[str, Any], dtype: str) -> VisionEncoder:
-        """Idefics3's tower and connector."""
-        from ringserve.gpu.multimodal.idefics3_vision import Idefics3VisionEncoder
-
-        return Idefics3VisionEncoder.from_hf_config(hf_config, _dtype(dtype), _device())
+    VISION_ENCODER = "ringserve.gpu.multimodal.idefics3_vision:Idefics3VisionEncoder"
 
 
 VISION_MODEL_CLASSES: dict[str, type[LlamaForCausalLM]] = {

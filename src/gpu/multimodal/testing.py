@@ -12,13 +12,11 @@ from __future__ import annotations
 
 import hashlib
 import json
-import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
 
 from ringserve.envs import ringserve_home
-from ringserve.gpu.testing import BOS, EOS, IM_END, PAD, _build_tokenizer
+from ringserve.gpu.testing import BOS, EOS, IM_END, PAD, _build_tokenizer, build_cached
 
 VERSION = 1
 FAMILIES = ("qwen2_vl", "qwen2_5_vl", "gemma3", "idefics3")
@@ -57,20 +55,7 @@ def tiny_vlm(family: str, seed: int = 0) -> Path:
         raise ValueError(f"unknown tiny VLM family {family!r}; known: {', '.join(FAMILIES)}")
     key = hashlib.sha256(json.dumps([VERSION, family, seed]).encode()).hexdigest()[:12]
     target = ringserve_home() / "models" / f"tinyvlm-{family}-{key}"
-    if (target / "model.safetensors").is_file():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
-    try:
-        _build(tmp, family, seed)
-        try:
-            tmp.rename(target)
-        except OSError:
-            if not (target / "model.safetensors").is_file():
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return target
+    return build_cached(target, lambda tmp: _build(tmp, family, seed))
 
 
 def _build(path: Path, family: str, seed: int) -> None:
