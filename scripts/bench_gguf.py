@@ -14,11 +14,12 @@ mode: the bytes of every distinct tensor it keeps (parameters, buffers, the pane
 scales and mins: what the weights occupy), against the file's size, and the growth of this
 process's RSS over the load; and the peak RSS while loading (issue 45, item 4): in a fresh
 process per mode and `--quantization` (RINGSERVE_ENABLE_MULTIPROCESSING=0), the model runner's
-`load_model` with VmHWM reset just before it, peak minus the RSS before it (`--memory-only`
-prints this table alone).
+`load_model` with VmHWM reset just before it, peak minus the RSS before it, medians of `--runs`
+processes (`--memory-only` prints this table alone; `--baseline DIR`, a directory holding a
+`ringserve` link to another checkout's src/, adds that tree's peaks, alternated in the run).
 
     .venv/bin/python scripts/bench_gguf.py [--batches 1 32] [--tokens 32] [--runs 3]
-        [--threads 2] [--gguf FILE.gguf] [--memory-only]
+        [--threads 2] [--gguf FILE.gguf] [--memory-only] [--baseline DIR]
 """
 
 from __future__ import annotations
@@ -109,29 +110,47 @@ print(status("VmHWM") - before)
 """
 
 
-def load_peak(gguf: Path, flags: dict[str, Any]) -> int:
+def load_peak(gguf: Path, flags: dict[str, Any], baseline: Path | None = None) -> int:
     """Peak RSS growth over `load_model` of `gguf` with these engine flags, in a fresh
-    process (the engine core's load, in-process)."""
+    process (the engine core's load, in-process); `baseline`: a directory holding a
+    `ringserve` link to another tree's `src` (PYTHONPATH wins over the editable install)."""
     import json
     import subprocess
 
     env = {**os.environ, "RINGSERVE_ENABLE_MULTIPROCESSING": "0"}
+    if baseline is not None:
+        env["PYTHONPATH"] = str(baseline)
     out = subprocess.run([sys.executable, "-c", _PEAK, json.dumps({"model": str(gguf), **flags})],
                          env=env, check=True, capture_output=True, text=True).stdout
     return int(out.split()[-1])
 
 
-def print_load_peaks(gguf: Path) -> None:
-    """The peak-RSS table: each way of serving the file, against the file's size."""
+def print_load_peaks(gguf: Path, runs: int, baseline: Path | None) -> None:
+    """The peak-RSS table: each way of serving the file, against the file's size; medians of
+    `runs` fresh processes (range), this tree and, given, the baseline tree alternately."""
+    import statistics
+
     size = gguf.stat().st_size
-    print("| mode | peak RSS growth while loading, MB | x file |")
-    print("|---|---:|---:|")
+    sides = [("baseline", baseline)] if baseline is not None else []
+    sides.append(("this tree", None))
+    print("| mode | " + " | ".join(f"{name}: peak RSS growth, MB (x file)"
+                                    for name, _ in sides) + " |")
+    print("|---|" + "---:|" * len(sides))
     for name, flags in [("codes (default, gguf)", {}),
                         ("--quantization int4", {"quantization": "int4"}),
                         ("--quantization int8", {"quantization": "int8"}),
                         ("--gguf-dequantize", {"gguf_dequantize": True})]:
-        peak = load_peak(gguf, flags)
-        print(f"| {name} | {peak / 1e6:.1f} | {peak / size:.2f} |")
+        peaks: dict[str, list[int]] = {side: [] for side, _ in sides}
+        for _ in range(runs):
+            for side, tree in sides:
+                peaks[side].append(load_peak(gguf, flags, tree))
+        cells = []
+        for side, _ in sides:
+            mb = [p / 1e6 for p in peaks[side]]
+            median = statistics.median(mb)
+            cells.append(f"{median:.1f} ({min(mb):.1f}-{max(mb):.1f}; "
+                         f"{median * 1e6 / size:.2f}x)")
+        print(f"| {name} | " + " | ".join(cells) + " |", flush=True)
 
 
 def main() -> int:
@@ -144,6 +163,9 @@ def main() -> int:
     parser.add_argument("--gguf", type=Path, default=None)
     parser.add_argument("--memory-only", action="store_true",
                         help="print the peak-RSS-while-loading table alone")
+    parser.add_argument("--baseline", type=Path, default=None,
+                        help="a directory holding a `ringserve` link to another tree's src/: "
+                             "its load peaks beside this tree's, in the same run")
     args = parser.parse_args()
     os.environ["OMP_NUM_THREADS"] = str(args.threads)
     import torch
@@ -157,7 +179,7 @@ def main() -> int:
         print(line)
     print(f"model: {gguf.name} ({gguf.stat().st_size / 1e6:.1f} MB)")
     if args.memory_only:
-        print_load_peaks(gguf)
+        print_load_peaks(gguf, args.runs, args.baseline)
         return 0
     llms = {name: LLM(str(gguf), device="cpu", gguf_dequantize=deq, disable_log_stats=True,
                       max_num_seqs=max(args.batches), max_model_len=512)
@@ -212,7 +234,7 @@ def main() -> int:
         print(f"| {name} | {kept / 1e6:.1f} | {kept / size:.2f} | {grown / 1e6:.1f} | "
               f"{formats} |")
     print()
-    print_load_peaks(gguf)
+    print_load_peaks(gguf, args.runs, args.baseline)
     load = os.getloadavg()
     print(f"\nload average at the end: {' '.join(f'{x:.2f}' for x in load)}")
     return 0
