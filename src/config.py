@@ -391,8 +391,9 @@ class SpecDecodeConfig:
 
     Attributes:
         method: "ngram" (drafts copied from an earlier match of the last n tokens in the
-            request's own tokens) or "draft_model" (a smaller model with the target's
-            vocabulary proposes them).
+            request's own tokens), "draft_model" (a smaller model with the target's
+            vocabulary proposes them), "eagle" / "eagle3" (an EAGLE head reads the target's
+            hidden states: `ringserve.gpu.spec_decode.eagle`).
         num_speculative_tokens: drafts proposed per request per step (1..16).
         prompt_lookup_min, prompt_lookup_max: the n-gram lengths tried, longest first (ngram;
             0 for draft_model).
@@ -403,20 +404,22 @@ class SpecDecodeConfig:
         per_batch_size: (min_batch, k) pairs, ascending: a decode batch of at least
             `min_batch` requests uses `k` drafts (0: none), the last pair that fits winning;
             empty: always `num_speculative_tokens`.
+        draft_head_dir: eagle / eagle3: the head's directory (checked by the resolver).
     """
 
-    method: Literal["ngram", "draft_model"]
+    method: Literal["ngram", "draft_model", "eagle", "eagle3"]
     num_speculative_tokens: int
     prompt_lookup_min: int
     prompt_lookup_max: int
     draft_model_config: ModelConfig | None
     draft_tensor_parallel_size: int
     per_batch_size: tuple[tuple[int, int], ...] = ()
+    draft_head_dir: str | None = None
 
     @property
     def uses_draft_model(self) -> bool:
-        """A draft model proposes (it has weights and a KV cache of its own)."""
-        return self.method == "draft_model"
+        """A draft model or an EAGLE head proposes (weights and a KV cache of its own)."""
+        return self.method != "ngram"
 
 
 @dataclass(frozen=True, slots=True)

@@ -33,6 +33,10 @@ def _cuda_available() -> bool:
 # promises (named after it). `CI=true scripts/test` runs them after the default selection, in
 # one process; run them alone with `scripts/test -m long`.
 LONG = {
+    "tests/gpu/spec_decode/test_eagle.py::test_greedy_equal_with_an_eagle_head[gemma3]":
+        "test_eagle.py::test_greedy_equal_with_an_eagle_head[llama]",
+    "tests/gpu/spec_decode/test_eagle.py::test_greedy_equal_with_an_eagle_head[qwen3moe]":
+        "test_eagle.py::test_greedy_equal_with_an_eagle_head[llama]",
     "tests/gpu/spec_decode/test_spec_greedy.py::test_quantized_target[int8]":
         "test_spec_greedy.py::test_greedy_equal_on_each_family[llama]",
     "tests/gpu/spec_decode/test_spec_greedy.py::test_quantized_target[int4]":
@@ -145,6 +149,8 @@ LONG = {
         "test_llm.py::test_mp_executor_tensor_parallel_matches_transformers[2]",
     "tests/engine/test_fault_tolerance.py::test_auto_retry_recovers_without_an_instruction":
         "test_worker_death_then_retry_then_abort",
+    "tests/engine/test_dp_expert_parallel.py::test_sleep_level_2_is_all_cores_or_none":
+        "test_lockstep_sleep.py and test_engine_core.py::test_hold_new_requests_for_a_lockstep_sleep",
     "tests/chaos/test_chaos_dp_ep.py::test_chaos_dp_ep":
         "test_dp_expert_parallel.py (a killed core, a hung core)",
     "tests/gpu/test_moe_parity.py::test_tp2_and_ep2_match_transformers[ep]":

@@ -218,6 +218,8 @@ class GemmaModel(nn.Module):
         )
         self.norm = GemmaRMSNorm(spec.hidden_size, spec.rms_norm_eps, spec.dtype)
         self.between_layers: Callable[[], None] | None = None  # as LlamaModel's
+        self.aux_layers: tuple[int, ...] = ()  # as LlamaModel's
+        self.aux_hidden: list[torch.Tensor] = []
         self.embed_rows: tuple[torch.Tensor, torch.Tensor] | None = None  # as LlamaModel's
 
     def _rotary_for(self, layer_type: str) -> RotaryEmbedding:
@@ -233,11 +235,17 @@ class GemmaModel(nn.Module):
         hidden = replace_rows(self.embed_tokens.forward(input_ids) * self.embed_scale,
                               self.embed_rows)
         between = self.between_layers
+        aux = self.aux_layers
+        kept: dict[int, torch.Tensor] = {}
         for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
             assert isinstance(layer, GemmaDecoderLayer)
             if between is not None and i:
                 between()
+            if i in aux:
+                kept[i] = hidden
             hidden = layer.forward(positions, hidden, kv_cache, meta)
+        if aux:
+            self.aux_hidden = [kept[i] for i in aux]
         return self.norm.forward(hidden)
 
 

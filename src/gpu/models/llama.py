@@ -186,6 +186,11 @@ class LlamaModel(nn.Module):
         # Rows that replace token embeddings in the next eager forward (images:
         # `ringserve.gpu.multimodal.runner_seam`): (token rows, embeddings); None: none.
         self.embed_rows: tuple[torch.Tensor, torch.Tensor] | None = None
+        # The layers whose input hidden states (the residual stream entering them) the next
+        # eager forward keeps in `aux_hidden`, in this order (an EAGLE-3 head reads them:
+        # `ringserve.gpu.spec_decode.eagle`); empty: none.
+        self.aux_layers: tuple[int, ...] = ()
+        self.aux_hidden: list[torch.Tensor] = []
 
     def forward(
         self,
@@ -198,11 +203,17 @@ class LlamaModel(nn.Module):
         set, runs before every layer after the first and may raise to end the step)."""
         hidden = replace_rows(self.embed_tokens.forward(input_ids), self.embed_rows)
         between = self.between_layers
+        aux = self.aux_layers
+        kept: dict[int, torch.Tensor] = {}
         for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
             assert isinstance(layer, LlamaDecoderLayer)
             if between is not None and i:
                 between()
+            if i in aux:
+                kept[i] = hidden
             hidden = layer.forward(positions, hidden, kv_cache, meta)
+        if aux:
+            self.aux_hidden = [kept[i] for i in aux]
         return self.norm.forward(hidden)
 
 
@@ -223,6 +234,8 @@ class DecoderStack(Protocol):
     embed_tokens: VocabParallelEmbedding
     between_layers: Callable[[], None] | None
     embed_rows: tuple[torch.Tensor, torch.Tensor] | None
+    aux_layers: tuple[int, ...]
+    aux_hidden: list[torch.Tensor]
 
     def forward(
         self,

@@ -67,6 +67,7 @@ class _ForwardDone:
     prompt_logprobs: Any
     verify: VerifyStep | None = None  # the step verifies drafts (speculative decoding)
     num_spec_tokens: int = 0  # drafts to propose for the next step
+    features: torch.Tensor | None = None  # the target's hidden states an EAGLE head reads
 
 
 class ModelRunner:
@@ -167,7 +168,8 @@ class ModelRunner:
             self.images.attach(vision_of(self._model))
         self._attach_expert_load()  # a reload keeps counting into the same tensors
         if self.proposer is None:
-            self.proposer = make_proposer(self.config, self.device, self.tp, self.backend)
+            self.proposer = make_proposer(self.config, self.device, self.tp, self.backend,
+                                          lambda: self.model)
 
     @property
     def kv_bytes_per_block(self) -> int:
@@ -330,9 +332,12 @@ class ModelRunner:
             inputs, image_rows, eager = self.images.prepare(inputs, self.table,
                                                             self.request_errors)
         self.model.model.embed_rows = image_rows
+        # What an EAGLE head reads: the inputs of some layers run the step eagerly (the
+        # captured step returns the final hidden states only).
+        features_of = self.proposer.feature_layers if self.proposer is not None else None
         # The captured step reads the panels directly: a step with LoRA rows runs eagerly.
         if (self.capture is not None and (self.lora is None or not self.lora.batch.active)
-                and not eager and self.capture.accepts(inputs)):
+                and not eager and not features_of and self.capture.accepts(inputs)):
             try:
                 hidden = self.capture.run(inputs, self.abort_flag)
             except StepAborted:  # a pause came mid-step: taken back like a skipped step
@@ -341,11 +346,18 @@ class ModelRunner:
             # Where a pause may end a step (`abort_flag`), it ends an eager one between layers.
             self.model.model.between_layers = (abort_check(self.abort_flag) if self.abort_flag
                                                else None)
+            self.model.model.aux_layers = features_of or ()
             try:
                 hidden = self.model.forward(inputs.input_ids, inputs.positions, self.kv_caches,
                                             inputs.meta)
             except StepAborted:
                 return self._skipped(scheduler_output)
+            finally:
+                self.model.model.aux_layers = ()
+        features = None
+        if features_of is not None:
+            features = (torch.cat(self.model.model.aux_hidden, dim=-1) if features_of
+                        else hidden)
         prompt_logprobs = compute_prompt_logprobs(
             hidden, inputs, self.table, self.model.compute_logits, self.model_config.vocab_size
         )
@@ -353,7 +365,7 @@ class ModelRunner:
             return self.pooler.step_output(scheduler_output.step_id, hidden, inputs,
                                            self.request_errors)
         step = _ForwardDone(scheduler_output.step_id, hidden, inputs, prompt_logprobs, verify,
-                            scheduler_output.num_spec_tokens if self.proposer else 0)
+                            scheduler_output.num_spec_tokens if self.proposer else 0, features)
         if scheduler_output.grammar_req_ids:
             self._awaiting_grammar = step  # sampled by `sample_tokens`, once the mask is here
             return None
@@ -418,6 +430,8 @@ class ModelRunner:
             output = self._sample_drafts(step.hidden, step.verify, grammar)
         else:
             output = self._sample(step.hidden, step.inputs, grammar)
+        if step.features is not None and self.proposer is not None:
+            self.proposer.observe(self.table, step.inputs, step.features)
         if step.num_spec_tokens and self.proposer is not None:
             output.draft_token_ids = self._propose(output, step.num_spec_tokens)
         output.prompt_logprobs = step.prompt_logprobs

@@ -24,7 +24,7 @@ __all__ = ["MAX_SPECULATIVE_TOKENS", "METHODS", "SpecDecodeConfig", "Speculative
 
 logger = logging.getLogger(__name__)
 
-METHODS = ("ngram", "draft_model")
+METHODS = ("ngram", "draft_model", "eagle", "eagle3")
 MAX_SPECULATIVE_TOKENS = 16
 DEFAULT_SPECULATIVE_TOKENS = 4
 # vLLM's n-gram window when neither bound is given (vllm/config/speculative.py).
@@ -33,6 +33,9 @@ _EAGLE = ("eagle", "eagle3")
 # Keys that only a draft model uses, and keys that only the n-gram proposer uses: given with
 # the other method they would be ignored, so they are refused instead.
 _DRAFT_ONLY = ("model", "quantization", "draft_tensor_parallel_size", "max_model_len")
+# An EAGLE head runs in the target's dtype (no panels of its own) for every length the target
+# takes.
+_NOT_FOR_EAGLE = ("quantization", "max_model_len")
 _NGRAM_ONLY = ("prompt_lookup_min", "prompt_lookup_max")
 _EXAMPLE = '{"method": "ngram", "num_speculative_tokens": 4}'
 
@@ -43,11 +46,12 @@ class SpeculativeConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True)
     """`--speculative-config` as the user wrote it (vLLM's keys; those ringserve runs).
 
     Attributes:
-        method: "ngram" or "draft_model" ("eagle" / "eagle3" are refused: not supported yet).
+        method: "ngram", "draft_model", "eagle" (an EAGLE-1/2 head) or "eagle3" (an EAGLE-3
+            head in its published layout).
         num_speculative_tokens: drafts per request per step, 1..16. vLLM requires it;
             ringserve defaults to 4.
         model: draft_model: the draft's directory, GGUF file or hub id (same vocabulary as
-            the target).
+            the target); eagle / eagle3: the head's directory.
         quantization: draft_model: "int8" or "int4" panels for the draft (CPU), or None.
         prompt_lookup_min, prompt_lookup_max: ngram: the n-gram lengths tried; neither given:
             both 5 (vLLM's default); one given: the other is the same.
@@ -149,6 +153,8 @@ def resolve_speculative_config(
                                 draft_tensor_parallel_size=1, per_batch_size=per_batch)
     draft_tp = _draft_tensor_parallel_size(spec.draft_tensor_parallel_size,
                                            tensor_parallel_size)
+    if spec.method in _EAGLE:
+        return _eagle(spec, target, k, per_batch, draft_tp)
     draft = _draft_model_config(spec, target, device)
     difference = _vocabulary_difference(target, draft)
     if difference is not None:
@@ -196,14 +202,13 @@ def _validation_message(message: str) -> str:
 
 def _check(spec: SpeculativeConfig) -> None:
     method = spec.method
-    if method in _EAGLE:
-        raise ValueError(f"speculative_config.method: got {method!r}: EAGLE heads are not "
-                         f"supported yet by ringserve (supported: {', '.join(METHODS)})")
     if method not in METHODS:
         raise ValueError(f"speculative_config.method: got {method!r}, unknown method; allowed: "
                          f"{', '.join(METHODS)}")
     _in_range("num_speculative_tokens", spec.num_speculative_tokens, 1, MAX_SPECULATIVE_TOKENS)
-    unused = _NGRAM_ONLY if method == "draft_model" else _DRAFT_ONLY
+    unused: tuple[str, ...] = _DRAFT_ONLY if method == "ngram" else _NGRAM_ONLY
+    if method in _EAGLE:
+        unused = unused + _NOT_FOR_EAGLE
     for key in unused:
         if getattr(spec, key) is not None:
             raise ValueError(f"speculative_config.{key}: not used by method {method!r} "
@@ -218,8 +223,10 @@ def _check(spec: SpeculativeConfig) -> None:
 
 def _check_draft_keys(spec: SpeculativeConfig) -> None:
     if spec.model is None or not spec.model.strip():
-        raise ValueError(f"speculative_config.model: required with method 'draft_model' (the "
-                         f"draft's directory, GGUF file or hub id), got {spec.model!r}")
+        what = ("the EAGLE head's directory" if spec.method in _EAGLE else
+                "the draft's directory, GGUF file or hub id")
+        raise ValueError(f"speculative_config.model: required with method {spec.method!r} "
+                         f"({what}), got {spec.model!r}")
     if spec.quantization is not None and spec.quantization not in QUANTIZATION_METHODS:
         raise ValueError(f"speculative_config.quantization: got {spec.quantization!r}, allowed: "
                          f"None (the draft's own weights), {', '.join(QUANTIZATION_METHODS)}")
@@ -292,6 +299,28 @@ def _draft_tensor_parallel_size(draft_tp: int | None, tensor_parallel_size: int)
                          f"allowed: 1 or the target's tensor_parallel_size "
                          f"({tensor_parallel_size})")
     return draft_tp
+
+
+# -- EAGLE heads -----------------------------------------------------------------------------
+
+
+def _eagle(spec: SpeculativeConfig, target: ModelConfig, k: int,
+           per_batch: tuple[tuple[int, int], ...], draft_tp: int) -> SpecDecodeConfig:
+    """An EAGLE head checked against the target (`eagle_config.EagleHeadConfig`). The head is
+    small and runs whole on every tensor-parallel rank, whatever `draft_tensor_parallel_size`
+    says (1 and the target's are both accepted, as vLLM's)."""
+    from ringserve.gpu.spec_decode.eagle_config import EagleHeadConfig
+
+    head = EagleHeadConfig.read(spec.method, cast(str, spec.model), target)
+    reads = (f"target layers {list(head.aux_layer_ids)}" if head.aux_layer_ids else
+             "the target's final hidden states")
+    _announce(f"speculative decoding: {spec.method} head {head.directory} ({head.num_layers} "
+              f"layer(s), draft vocabulary {head.draft_vocab_size}, reads {reads}), {k} draft "
+              f"tokens")
+    return SpecDecodeConfig(method=cast(Any, spec.method), num_speculative_tokens=k,
+                            prompt_lookup_min=0, prompt_lookup_max=0, draft_model_config=None,
+                            draft_tensor_parallel_size=draft_tp, per_batch_size=per_batch,
+                            draft_head_dir=head.directory)
 
 
 # -- the draft model -------------------------------------------------------------------------

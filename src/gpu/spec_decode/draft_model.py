@@ -92,6 +92,11 @@ class DraftModelProposer:
         self.capture = None
         self.computed.clear()
 
+    feature_layers = None  # catches up from the tokens, not from the target's hidden states
+
+    def observe(self, table: RequestTable, inputs: StepInputs, features: torch.Tensor) -> None:
+        """Reads no hidden states (never called: `feature_layers` is None)."""
+
     def forget(self, req_ids: Iterable[str]) -> None:
         """Requests finished or preempted: their draft KV is no longer theirs."""
         for req_id in req_ids:

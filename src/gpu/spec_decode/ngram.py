@@ -25,6 +25,7 @@ class NgramProposer:
     """
 
     kv_bytes_per_block = 0
+    feature_layers = None  # reads no hidden states
 
     def __init__(self, min_n: int, max_n: int) -> None:
         self.min_n = min_n
@@ -42,6 +43,9 @@ class NgramProposer:
             if drafts:
                 out[req_id] = drafts
         return out
+
+    def observe(self, table: RequestTable, inputs: object, features: object) -> None:
+        """Reads no hidden states (never called: `feature_layers` is None)."""
 
     def forget(self, req_ids: Iterable[str]) -> None:
         """Nothing is kept per request."""

@@ -9,7 +9,7 @@ rejection sampler (`ringserve.gpu.sample.rejection`) keeps the ones the target a
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Protocol
 
 import numpy as np
@@ -18,6 +18,8 @@ import torch
 from ringserve.config import EngineConfig
 from ringserve.gpu.attention.backend import AttentionBackend
 from ringserve.gpu.layers.parallel import TPGroup
+from ringserve.gpu.models.llama import LlamaForCausalLM
+from ringserve.gpu.runner.input_prep import StepInputs
 from ringserve.gpu.runner.request_state import RequestTable
 
 
@@ -27,6 +29,18 @@ class Proposer(Protocol):
     @property
     def kv_bytes_per_block(self) -> int:
         """Bytes of KV cache the proposer keeps per block of the pool (0: none)."""
+        ...
+
+    @property
+    def feature_layers(self) -> tuple[int, ...] | None:
+        """The target's hidden states the proposer reads each step: the input of these
+        layers (EAGLE-3), () for the final normed hidden states (EAGLE-1), None for none."""
+        ...
+
+    def observe(self, table: RequestTable, inputs: StepInputs, features: torch.Tensor) -> None:
+        """A step's forward ran and was sampled: `features` [T, F] are the target's hidden
+        states of its rows (`feature_layers`), `inputs` its batch. Called for every step
+        that computed rows, before `propose`, only when `feature_layers` is not None."""
         ...
 
     def propose(self, table: RequestTable, req_ids: list[str], slots: np.ndarray,
@@ -49,8 +63,11 @@ class Proposer(Protocol):
 
 
 def make_proposer(config: EngineConfig, device: torch.device, tp: TPGroup,
-                  backend: AttentionBackend) -> Proposer | None:
-    """The proposer `config.speculative_config` asks for (None: speculation is off)."""
+                  backend: AttentionBackend,
+                  target: Callable[[], LlamaForCausalLM]) -> Proposer | None:
+    """The proposer `config.speculative_config` asks for (None: speculation is off);
+    `target` returns the model being served (an EAGLE head reads its embedding, and its LM
+    head where it has none of its own)."""
     spec = config.speculative_config
     if spec is None:
         return None
@@ -64,4 +81,9 @@ def make_proposer(config: EngineConfig, device: torch.device, tp: TPGroup,
         draft_tp = tp if spec.draft_tensor_parallel_size == tp.world_size else TPGroup()
         return DraftModelProposer(config, spec.draft_model_config, device, draft_tp, backend,
                                   spec.num_speculative_tokens)
+    if spec.method in ("eagle", "eagle3") and spec.draft_head_dir is not None:
+        from ringserve.gpu.spec_decode.eagle import EagleProposer
+
+        return EagleProposer(config, spec.method, spec.draft_head_dir, device, backend,
+                             spec.num_speculative_tokens, target)
     raise ValueError(f"speculative_config.method: {spec.method!r} has no proposer here")

@@ -88,10 +88,11 @@ BATCH = "speculative_config.num_speculative_tokens_per_batch_size"
 
 @pytest.mark.parametrize(("value", "start"), [
     ('{"method": "medusa"}', "speculative_config.method: got 'medusa', unknown method; "
-     "allowed: ngram, draft_model"),
-    ('{"method": "eagle3", "model": "x"}', "speculative_config.method: got 'eagle3': EAGLE "
-     "heads are not supported yet by ringserve (supported: ngram, draft_model)"),
-    ('{"method": "eagle"}', "speculative_config.method: got 'eagle': EAGLE heads"),
+     "allowed: ngram, draft_model, eagle, eagle3"),
+    ('{"method": "eagle3"}', "speculative_config.model: required with method 'eagle3' (the "
+     "EAGLE head's directory)"),
+    ('{"method": "eagle", "model": "x", "quantization": "int4"}',
+     "speculative_config.quantization: not used by method 'eagle'"),
     ('{"num_speculative_tokens": 2}', "speculative_config.method: required"),
     ('{"method": "ngram", "lookahead": 2}', "speculative_config: unknown key `lookahead`; "
      "allowed keys: method, "),
@@ -356,7 +357,7 @@ def _children() -> set[int]:
 
 
 @pytest.mark.parametrize(("value", "needle"), [
-    ({"method": "eagle3"}, "speculative_config.method: got 'eagle3'"),
+    ({"method": "eagle3"}, "speculative_config.model: required with method 'eagle3'"),
     ({"method": "ngram", "num_speculative_tokens": 0},
      "speculative_config.num_speculative_tokens: got 0"),
     ({"method": "draft_model", "model": "MODEL", "draft_tensor_parallel_size": 3},
