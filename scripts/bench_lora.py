@@ -11,9 +11,19 @@ adapters assigned round-robin. Sides, each its own `LLM` (2 threads): base (LoRA
 LoRA on with 1, 8 (`--max-loras 8`) and 32 adapters (`--max-loras 8`). tok/s = output tokens
 / wall seconds of `generate`; median of --runs runs with the range; every side's output token
 count is checked (64 x 64). Also the first-token latency of one request on a cold adapter
-(read from disk) against the same adapter warm. llama-server is not run here.
+(read from disk) against the same adapter warm.
+
+With `--llama-server BIN --gguf BASE.gguf --lora-gguf ADAPTER.gguf` (the base's weights and
+the first adapter converted by llama.cpp's own `convert_hf_to_gguf.py` / `convert_lora_to_gguf.py`),
+two more sides run the same workload on llama-server, timed in turn with the others: the base
+alone and the base with that adapter (`--lora`; llama.cpp applies its adapters to every slot,
+so one adapter is its case). Each is one server (`-t` / `-tb` --threads, `-np 32` slots), the
+64 requests sent 32 at a time as POST /completion with the prompts' token ids, `n_predict`
+64, `ignore_eos`, `temperature` 0; tok/s = the predicted tokens (checked: 64 x 64) / wall
+seconds.
 
     python scripts/bench_lora.py [--runs 3] [--threads 2] [--model DIR]
+        [--llama-server BIN --gguf BASE.gguf --lora-gguf ADAPTER.gguf]
 """
 
 from __future__ import annotations
@@ -75,6 +85,41 @@ def run_side(llm: Any, batch: list[dict[str, Any]], loras: list[Any] | None) -> 
     return tokens / seconds
 
 
+class LlamaSide:
+    """llama-server over the base GGUF (with `lora`: that adapter on every slot)."""
+
+    def __init__(self, args: argparse.Namespace, lora: Path | None, name: str) -> None:
+        sys.path.insert(0, str(ROOT / "scripts"))
+        from llama_server import LlamaServer
+
+        extra = ["--lora", str(lora.resolve())] if lora is not None else []
+        self.server = LlamaServer(
+            args.llama_server, args.gguf,
+            ["-t", str(args.threads), "-tb", str(args.threads), "-np", "32", "-c",
+             str(32 * 512), *extra], WORK / f"llama-server-{name}.log")
+
+    def generate(self, batch: list[dict[str, Any]]) -> float:
+        from concurrent.futures import ThreadPoolExecutor
+
+        def one(item: dict[str, Any]) -> int:
+            reply = self.server.post("/completion", {
+                "prompt": item["prompt_token_ids"], "n_predict": OUTPUT_TOKENS,
+                "ignore_eos": True, "temperature": 0.0, "cache_prompt": False})
+            return int(reply["tokens_predicted"])
+
+        start = time.perf_counter()
+        with ThreadPoolExecutor(32) as pool:
+            tokens = sum(pool.map(one, batch))
+        seconds = time.perf_counter() - start
+        if tokens != len(batch) * OUTPUT_TOKENS:
+            raise RuntimeError(f"llama-server output tokens {tokens}, expected "
+                               f"{len(batch) * OUTPUT_TOKENS}")
+        return tokens / seconds
+
+    def close(self) -> None:
+        self.server.close()
+
+
 def first_token_ms(llm: Any, prompt: dict[str, Any], lora: Any) -> float:
     from ringserve import SamplingParams
 
@@ -93,7 +138,13 @@ def main() -> int:
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--model", type=Path, default=None)
+    parser.add_argument("--llama-server", default=None, help="llama-server binary")
+    parser.add_argument("--gguf", type=Path, default=None, help="the base model as GGUF")
+    parser.add_argument("--lora-gguf", type=Path, default=None,
+                        help="the first adapter as a llama.cpp LoRA GGUF")
     args = parser.parse_args()
+    if args.llama_server is not None and (args.gguf is None or args.lora_gguf is None):
+        raise SystemExit("--llama-server needs --gguf and --lora-gguf")
     os.environ["OMP_NUM_THREADS"] = str(args.threads)
     WORK.mkdir(parents=True, exist_ok=True)
     if args.model is None:
@@ -121,20 +172,37 @@ def main() -> int:
     sides["32 adapters, --max-loras 8"] = (
         LLM(str(model), enable_lora=True, max_loras=8, max_cpu_loras=32, **common),
         [loras[i % 32] for i in range(NUM_REQUESTS)])
-    results: dict[str, list[float]] = {name: [] for name in sides}
+    llama: dict[str, LlamaSide] = {}
+    try:
+        if args.llama_server is not None:
+            llama["llama-server base"] = LlamaSide(args, None, "base")
+            llama["llama-server 1 adapter (--lora)"] = LlamaSide(args, args.lora_gguf, "lora")
+    except BaseException:
+        for side in llama.values():
+            side.close()
+        for llm, _ in sides.values():
+            llm.close()
+        raise
+    results: dict[str, list[float]] = {name: [] for name in [*sides, *llama]}
     try:
         cold_llm = sides["8 adapters"][0]
         cold = first_token_ms(cold_llm, batch[0], loras[20])
         warm = statistics.median(first_token_ms(cold_llm, batch[0], loras[20]) for _ in range(5))
         for llm, side_loras in sides.values():  # warm-up: adapters read, caches built
             run_side(llm, batch[:8], side_loras[:8] if side_loras else None)
+        for server in llama.values():
+            server.generate(batch[:8])
         for run in range(args.runs):
             log(f"run {run + 1}/{args.runs}")
             for name, (llm, side_loras) in sides.items():
                 results[name].append(run_side(llm, batch, side_loras))
+            for name, server in llama.items():
+                results[name].append(server.generate(batch))
     finally:
         for llm, _ in sides.values():
             llm.close()
+        for server in llama.values():
+            server.close()
     base = statistics.median(results["base"])
     print("\n| side | output tok/s | vs base |")
     print("|---|---|---|")

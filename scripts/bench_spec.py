@@ -21,13 +21,24 @@ together and timed in turn, run after run, so drift hits every side alike:
 - int4 self-draft: `{"method": "draft_model", "model": <the same directory>,
   "quantization": "int4", "num_speculative_tokens": K}`.
 
-tok/s = output tokens / wall seconds of `LLM.generate`; the median of --runs runs and their
+tok/s = output tokens / wall seconds of `LLM.chat`; the median of --runs runs and their
 range; ratio = median / the off side's median. Mean acceptance length (the bonus token
-counted, as vLLM's) from the engine's own counters over the timed runs. llama-server is not run
-here (see docs/benchmarks.md).
+counted, as vLLM's) from the engine's own counters over the timed runs.
+
+With `--llama-server BIN --gguf TARGET.gguf [--draft-gguf DRAFT.gguf]` (item 9 (d)), the batch-1
+workloads also run on llama-server over the same weights as GGUF (`-t` / `-tb` --threads,
+`-np 1`, one server per mode, all started before the timed runs and timed in turn with the
+ringserve sides): speculation off (`--spec-type none`), its n-gram modes (`--spec-type
+ngram-simple`, `ngram-map-k`) and, with `--draft-gguf`, its draft-model speculation
+(`--spec-type draft-simple -md DRAFT --spec-draft-n-max K`). Each request is one POST
+/v1/chat/completions (the GGUF's chat template, temperature 0, `max_tokens`); tok/s = its
+`usage.completion_tokens` / wall seconds; the acceptance column shows llama-server's own
+accepted / drafted tokens (`timings.draft_n_accepted` / `draft_n`) as a rate. Every server's
+process group is killed at the end, whatever happens.
 
     python scripts/bench_spec.py [--runs 3] [--threads 2] [--k 4] [--model DIR]
-        [--draft-quantization int4|int8]
+        [--draft-quantization int4|int8] [--llama-server BIN --gguf F32.gguf
+        [--draft-gguf Q4.gguf]]
 """
 
 from __future__ import annotations
@@ -110,14 +121,74 @@ def engines(model: Path, args: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
+class LlamaSide:
+    """One llama-server (a speculation mode), used like an `LLM` by `run` and `counters` (its
+    counters are drafted and accepted tokens)."""
+
+    def __init__(self, binary: str, gguf: Path, extra: list[str], args: argparse.Namespace,
+                 name: str) -> None:
+        sys.path.insert(0, str(ROOT / "scripts"))
+        from llama_server import LlamaServer
+
+        self.server = LlamaServer(
+            binary, gguf, ["-t", str(args.threads), "-tb", str(args.threads), "-np", "1",
+                           "-c", "4096", *extra],
+            WORK / f"llama-server-{name.replace(' ', '_')}.log")
+        self.drafted = 0
+        self.accepted = 0
+
+    def chat(self, prompt: str, max_tokens: int) -> int:
+        result = self.server.post("/v1/chat/completions", {
+            "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
+            "temperature": 0.0})
+        timings = result.get("timings") or {}
+        self.drafted += int(timings.get("draft_n", 0))
+        self.accepted += int(timings.get("draft_n_accepted", 0))
+        return int(result["usage"]["completion_tokens"])
+
+    def close(self) -> None:
+        self.server.close()
+
+
+def llama_sides(args: argparse.Namespace) -> dict[str, LlamaSide]:
+    """The llama-server modes (see the module docstring), started one after another."""
+    modes: dict[str, list[str]] = {
+        "llama-server off": ["--spec-type", "none"],
+        "llama-server ngram-simple": ["--spec-type", "ngram-simple"],
+        "llama-server ngram-map-k": ["--spec-type", "ngram-map-k"],
+    }
+    if args.draft_gguf is not None:
+        modes[f"llama-server draft {args.draft_gguf.stem}"] = [
+            "--spec-type", "draft-simple", "-md", str(args.draft_gguf.resolve()),
+            "--spec-draft-n-max", str(args.k), "-td", str(args.threads),
+            "-tbd", str(args.threads)]
+    sides: dict[str, LlamaSide] = {}
+    try:
+        for name, extra in modes.items():
+            log(f"starting {name}")
+            sides[name] = LlamaSide(args.llama_server, args.gguf.resolve(), extra, args, name)
+    except BaseException:
+        for side in sides.values():
+            side.close()
+        raise
+    return sides
+
+
 def counters(llm: Any) -> tuple[float, float]:
-    """(drafts, accepted tokens) so far."""
+    """(drafts, accepted tokens) so far; llama-server's: (drafted, accepted) tokens."""
+    if isinstance(llm, LlamaSide):
+        return float(llm.drafted), float(llm.accepted)
     values = {m.name: getattr(m, "value", 0.0) for m in llm.get_metrics()}
     return (values.get("ringserve:spec_decode_num_drafts", 0.0),
             values.get("ringserve:spec_decode_num_accepted_tokens", 0.0))
 
 
 def run(llm: Any, prompts: list[str], max_tokens: int) -> tuple[float, list[int]]:
+    if isinstance(llm, LlamaSide):
+        assert len(prompts) == 1, "llama-server sides run the batch-1 workloads"
+        start = time.perf_counter()
+        count = llm.chat(prompts[0], max_tokens)
+        return time.perf_counter() - start, [count]
     from ringserve import SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
@@ -149,6 +220,8 @@ def workload(name: str, sides: dict[str, Any], prompts: list[str], max_tokens: i
         base = median if side == "off" else base
         drafts, accepted = (a - b for a, b in zip(counters(llm), before[side], strict=True))
         accept = f"{1 + accepted / drafts:.2f}" if drafts else "-"
+        if isinstance(llm, LlamaSide):
+            accept = f"{accepted / drafts:.0%} of drafted accepted" if drafts else "-"
         ratio = f"{median / base:.2f}x" if base else "-"
         rows.append(f"| {name} | {side} | {median:.1f} ({min(rates):.1f}-{max(rates):.1f}) | "
                     f"{ratio} | {accept} | {total} |")
@@ -171,9 +244,17 @@ def main() -> int:
     parser.add_argument("--only", nargs="+", default=None,
                         help="sides to run (off, ngram, 'int4 self-draft')")
     parser.add_argument("--workloads", nargs="+", default=["edit", "chat", "concurrent"])
+    parser.add_argument("--llama-server", default=None, help="llama-server binary (item 9 (d))")
+    parser.add_argument("--gguf", type=Path, default=None,
+                        help="the target's weights as GGUF, for llama-server")
+    parser.add_argument("--draft-gguf", type=Path, default=None,
+                        help="llama-server's draft model (e.g. the Q4_1 file)")
     args = parser.parse_args()
+    if args.llama_server is not None and args.gguf is None:
+        raise SystemExit("--llama-server needs --gguf (the target's weights as GGUF)")
     model = args.model or f32_model_dir()
     sides = engines(model, args)
+    llama = llama_sides(args) if args.llama_server is not None else {}
     if "off" not in sides:
         raise SystemExit("--only must include off (the baseline)")
     cpu = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
@@ -186,14 +267,16 @@ def main() -> int:
              "length | output tokens |", "|---|---|---|---|---|---|"]
     try:
         if "edit" in args.workloads:
-            lines += workload("(a) edit, batch 1", sides, [EDIT], args.max_tokens, args)
+            lines += workload("(a) edit, batch 1", {**sides, **llama}, [EDIT],
+                              args.max_tokens, args)
         if "chat" in args.workloads:
-            lines += workload("(b) chat, batch 1", sides, [CHAT], args.max_tokens, args)
+            lines += workload("(b) chat, batch 1", {**sides, **llama}, [CHAT],
+                              args.max_tokens, args)
         if "concurrent" in args.workloads:
             prompts = [f"Write three sentences about {t}." for t in TOPICS]
             lines += workload("(c) 32 concurrent", sides, prompts, min(args.max_tokens, 64), args)
     finally:
-        for llm in sides.values():
+        for llm in [*sides.values(), *llama.values()]:
             llm.close()
     print("\n".join(lines))
     return 0

@@ -3,8 +3,9 @@
 - `config`: `--speculative-config` / `LLM(speculative_config=...)` checked and resolved
   (`SpecDecodeConfig`, in `ringserve.config`).
 - `proposer`: the `Proposer` protocol and the factory the model runner calls; `ngram` (prompt
-  lookup) and `draft_model` (a second model with its own KV over the same blocks, the
-  target's own checkpoint over int4 panels included) implement it.
+  lookup), `draft_model` (a second model with its own KV over the same blocks, the
+  target's own checkpoint over int4 panels included) and `eagle` (EAGLE-1/2 and EAGLE-3
+  heads, `eagle_head` / `eagle_config`, reading the target's hidden states) implement it.
 - `verify`: a verify step's layout (each draft position a one-token query of its own, so it
   runs through the captured decode step with single-token arithmetic).
 - `scheduling`: the engine core's side (drafts per request, lookahead slots, rollback over
