@@ -64,18 +64,18 @@ def _steps_by_path(runner: ModelRunner) -> dict[str, set[int]]:
     seen: dict[str, set[int]] = {"captured": set(), "eager": set()}
     capture = runner.capture
     assert capture is not None
-    run, forward = capture.run, runner.model.forward
+    run, forward = capture.run_keeping, runner.model.forward
 
-    def captured(inputs, abort_flag=0):  # type: ignore[no-untyped-def]
+    def captured(inputs, abort_flag, layers):  # type: ignore[no-untyped-def]
         seen["captured"].add(len(inputs.req_ids))
-        return run(inputs, abort_flag)
+        return run(inputs, abort_flag, layers)
 
     def eager(input_ids, positions, caches, meta):  # type: ignore[no-untyped-def]
         if meta.max_query_len == 1:
             seen["eager"].add(len(meta.seq_lens_cpu))
         return forward(input_ids, positions, caches, meta)
 
-    capture.run = captured  # type: ignore[method-assign]
+    capture.run_keeping = captured  # type: ignore[method-assign]
     runner.model.forward = eager  # type: ignore[method-assign]
     return seen
 
@@ -173,17 +173,17 @@ def test_a_raised_abort_flag_ends_the_step_and_its_rerun_is_unchanged() -> None:
     runner = _runner(model)
     capture = runner.capture
     assert capture is not None
-    run = capture.run
+    run = capture.run_keeping
     up, down = ctypes.c_ubyte(1), ctypes.c_ubyte(0)
     ended = []
 
-    def ending(inputs, abort_flag=0):  # type: ignore[no-untyped-def]
+    def ending(inputs, abort_flag, layers):  # type: ignore[no-untyped-def]
         with pytest.raises(StepAborted):
-            run(inputs, ctypes.addressof(up))
+            run(inputs, ctypes.addressof(up), layers)
         ended.append(len(inputs.req_ids))
-        return run(inputs, ctypes.addressof(down))
+        return run(inputs, ctypes.addressof(down), layers)
 
-    capture.run = ending  # type: ignore[method-assign]
+    capture.run_keeping = ending  # type: ignore[method-assign]
     got = _mix(runner)
     assert ended
     assert got[0] == want[0]

@@ -87,6 +87,11 @@ typedef struct {
     /* Read between layers: nonzero ends the step there (a pause came; the step is taken
      * back and run again later, so the KV it wrote is rewritten). NULL: never. */
     const volatile unsigned char *abort_flag;
+    /* The residual stream entering each of these layers is copied out (an EAGLE-3 head
+     * reads it): aux_out [n, num_aux, hidden]. num_aux 0: none. */
+    const int64_t *aux_layers;
+    int64_t num_aux;
+    float *aux_out;
 } rs_step;
 
 static int64_t qkv_width(const rs_model *m)
@@ -375,6 +380,14 @@ int rs_decode_step(const rs_model *m, const rs_step *s)
         }
         for (int64_t l = 0; l < m->num_layers; l++) {
             const int last = l == m->num_layers - 1;
+            for (int64_t a = 0; a < s->num_aux; a++) {
+                if (s->aux_layers[a] != l)
+                    continue;
+#pragma omp for schedule(static)
+                for (int64_t i = 0; i < n; i++)
+                    memcpy(s->aux_out + (i * s->num_aux + a) * hid, residual + i * hid,
+                           sizeof(float) * (size_t)hid);
+            }
             layer_forward(m, &m->layers[l], s,
                           last ? m->final_norm : m->layers[l + 1].input_norm,
                           last ? s->out : normed, residual, normed, tmp, qkv, attn, gu, act,

@@ -30,6 +30,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from ringserve.gpu.attention import cpu_native
@@ -77,6 +78,7 @@ class _RsStep(ctypes.Structure):
         ("n", _i64), ("token_ids", _ptr), ("positions", _ptr), ("slots", _ptr),
         ("tables", _ptr), ("max_blocks", _i64), ("lens", _ptr), ("max_len", _i64),
         ("out", _ptr), ("work", _ptr), ("nthreads", _i64), ("abort_flag", _ptr),
+        ("aux_layers", _ptr), ("num_aux", _i64), ("aux_out", _ptr),
     ]
 
 
@@ -226,6 +228,17 @@ class DecodeCapture:
                 0: never ends early.
 
         Raises:
+            as `run_keeping`.
+        """
+        return self.run_keeping(inputs, abort_flag, ())[0]
+
+    def run_keeping(self, inputs: StepInputs, abort_flag: int,
+                    layers: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """`run`, also keeping the residual stream entering each of `layers` (as
+        `LlamaModel.aux_layers`): (hidden [B, hidden], those inputs concatenated in order
+        [B, len(layers) * hidden], or None when `layers` is empty).
+
+        Raises:
             StepAborted: the flag was raised during the step.
             ValueError: a decode's block, slot, position or token is outside the cache, the
                 rope table or the vocabulary (a schedule the worker cannot run).
@@ -235,11 +248,15 @@ class DecodeCapture:
         n = len(inputs.req_ids)
         ids, positions = inputs.input_ids, inputs.positions
         slots = inputs.meta.slot_mapping
+        kept = (torch.empty(n, len(layers), self._out.shape[1], dtype=self._out.dtype)
+                if layers else None)
+        wanted = np.asarray(layers, dtype=np.int64)
         step = _RsStep(
             n, ids.data_ptr(), positions.data_ptr(), slots.data_ptr(),
             plan.tables.ctypes.data, plan.tables.shape[1], plan.lens.ctypes.data, plan.max_len,
             self._out.data_ptr(), self._work.data_ptr(), torch.get_num_threads(),
-            abort_flag or None,
+            abort_flag or None, wanted.ctypes.data if layers else None, len(layers),
+            kept.data_ptr() if kept is not None else None,
         )
         status = self._library.rs_decode_step(ctypes.byref(self._model), ctypes.byref(step))
         if status == -3:
@@ -248,7 +265,7 @@ class DecodeCapture:
             raise ValueError("decode step: a token id, position or KV slot is out of range")
         if status != 0:
             raise MemoryError("decode step: the scratch buffer could not be allocated")
-        return self._out[:n].clone()
+        return self._out[:n].clone(), kept.reshape(n, -1) if kept is not None else None
 
 
 def _layers(stack: LlamaModel) -> list[LlamaDecoderLayer]:

@@ -332,14 +332,16 @@ class ModelRunner:
             inputs, image_rows, eager = self.images.prepare(inputs, self.table,
                                                             self.request_errors)
         self.model.model.embed_rows = image_rows
-        # What an EAGLE head reads: the inputs of some layers run the step eagerly (the
-        # captured step returns the final hidden states only).
+        # What an EAGLE head reads (None: nothing; (): the final hidden states; else the
+        # inputs of these layers, which the captured step and the eager stack both keep).
         features_of = self.proposer.feature_layers if self.proposer is not None else None
+        kept: torch.Tensor | None = None
         # The captured step reads the panels directly: a step with LoRA rows runs eagerly.
         if (self.capture is not None and (self.lora is None or not self.lora.batch.active)
-                and not eager and not features_of and self.capture.accepts(inputs)):
+                and not eager and self.capture.accepts(inputs)):
             try:
-                hidden = self.capture.run(inputs, self.abort_flag)
+                hidden, kept = self.capture.run_keeping(inputs, self.abort_flag,
+                                                        features_of or ())
             except StepAborted:  # a pause came mid-step: taken back like a skipped step
                 return self._skipped(scheduler_output)
         else:
@@ -354,10 +356,9 @@ class ModelRunner:
                 return self._skipped(scheduler_output)
             finally:
                 self.model.model.aux_layers = ()
-        features = None
-        if features_of is not None:
-            features = (torch.cat(self.model.model.aux_hidden, dim=-1) if features_of
-                        else hidden)
+            if features_of:
+                kept = torch.cat(self.model.model.aux_hidden, dim=-1)
+        features = kept if features_of else (hidden if features_of is not None else None)
         prompt_logprobs = compute_prompt_logprobs(
             hidden, inputs, self.table, self.model.compute_logits, self.model_config.vocab_size
         )

@@ -120,7 +120,7 @@ def _runner(target_dir: Path, spec: dict[str, Any]) -> ModelRunner:
     config = EngineArgs(model=str(target_dir), block_size=8, max_num_seqs=4,
                         max_model_len=256, device="cpu",
                         speculative_config=spec).create_engine_config()
-    runner = ModelRunner(config, torch.device("cpu"), attention_backend="torch")
+    runner = ModelRunner(config, torch.device("cpu"))
     runner.load_model()
     runner.initialize_kv_cache(64)
     return runner
@@ -139,6 +139,7 @@ def test_drafts_equal_the_reference_head(method: str, options: dict[str, Any], t
     hf = AutoModelForCausalLM.from_pretrained(target_dir, torch_dtype=torch.float32).eval()
     reference = ReferenceHead(head, hf, method)
     runner = _runner(target_dir, _spec(method, head))
+    assert runner.capture is not None, runner.capture_reason  # decodes and verify steps
     prompt = torch.randint(3, 8000, (21,), generator=torch.Generator().manual_seed(1)).tolist()
     greedy = hf.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False)[0]
     truth = greedy[len(prompt):].tolist()
@@ -173,6 +174,34 @@ def test_drafts_equal_the_reference_head(method: str, options: dict[str, Any], t
     assert out.sampled_token_ids == [[truth[4]]]
     assert out.draft_token_ids["r"] == reference.drafts([*tokens, truth[4]], K)
     assert np.all(runner.table.num_tokens[runner.table.slot_of("r")] == len(tokens) + 1)
+
+
+def test_captured_step_keeps_the_layer_inputs_an_eager_forward_keeps(
+        target_dir: Path, tmp_path: Path) -> None:
+    from ringserve.gpu.runner.input_prep import prepare_inputs
+
+    head = tiny_eagle_head(target_dir, tmp_path / "h", aux_layer_ids=AUX)
+    runner = _runner(target_dir, _spec("eagle3", head))
+    assert runner.capture is not None, runner.capture_reason
+    prompt = list(range(40, 61))
+    so = SchedulerOutput(1, [NewRequestData("r", prompt, SamplingParams(temperature=0.0),
+                                            list(range(1, 9)), 0)], [], {"r": 21}, 21)
+    runner.execute_model(so)
+    table = runner.table
+    table.num_computed[table.slot_of("r")] = len(prompt)
+    inputs = prepare_inputs(table, ["r"], np.array([1]), runner.device)
+    layers = (1, 0, 1)
+    hidden, kept = runner.capture.run_keeping(inputs, 0, layers)
+    stack = runner.model.model
+    stack.aux_layers = layers
+    try:
+        want = runner.model.forward(inputs.input_ids, inputs.positions, runner.kv_caches,
+                                    inputs.meta)
+    finally:
+        stack.aux_layers = ()
+    assert kept is not None and kept.shape == (1, 3 * want.shape[1])
+    torch.testing.assert_close(kept, torch.cat(stack.aux_hidden, dim=-1), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(hidden, want, rtol=1e-5, atol=1e-5)
 
 
 # -- greedy output with and without a head ---------------------------------------------------
