@@ -19,8 +19,8 @@ stacked the same way; `LoRABatch` says which rows of the current step use which 
 
 With no LoRA row in the step (`LoRABatch.set(None)`) a wrapper costs one Python call and an
 attribute read. The captured decode step (`ringserve.gpu.runner.decode_capture`) reads the
-layers' panels directly and does not see these wrappers: a step with LoRA rows must run
-eagerly (`LoRABatch.active`). Tensor-parallel size 1 only.
+layers' panels directly and does not see these wrappers: it adds the same deltas itself from
+the slots' tensors (`ringserve.gpu.lora.capture`). Tensor-parallel size 1 only.
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NamedTuple
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -106,6 +107,13 @@ class LoRABatch:
         """Whether the step has a LoRA row (then it must run eagerly)."""
         return self.rows is not None
 
+    def token_slots(self) -> np.ndarray | None:
+        """The slot of every token row of the step (int64, -1 for a base row); None: no
+        LoRA row."""
+        if self.rows is None:
+            return None
+        return np.ascontiguousarray(self._slots.numpy(), dtype=np.int64)
+
     @property
     def groups(self) -> list[tuple[int, Rows]] | None:
         """(slot, its rows) for each slot with rows in the step; None: no LoRA row."""
@@ -179,6 +187,7 @@ class LoRASlots:
         self._stacks: dict[Key, _Stacked | None] = {}
         self.device = torch.device("cpu")
         self._wrapped: set[Key] | None = None  # the layers `install_lora` wrapped
+        self.version = 0  # counts changes of what the slots hold (`ringserve.gpu.lora.capture`)
 
     def load(self, slot: int, adapter: LoRAAdapter) -> None:
         """Copy `adapter`'s deltas into `slot` (replacing what it held).
@@ -198,6 +207,7 @@ class LoRASlots:
         self._held[slot] = {key: _pack(parts, self.device) for key, parts in adapter.deltas.items()}
         self._adapters[slot] = adapter
         self._stacks = {}
+        self.version += 1
 
     def clear(self, slot: int) -> None:
         """Empty `slot`."""
@@ -205,6 +215,7 @@ class LoRASlots:
         self._held[slot] = None
         self._adapters[slot] = None
         self._stacks = {}
+        self.version += 1
 
     def adapter(self, slot: int) -> LoRAAdapter | None:
         """The adapter `slot` holds."""
@@ -221,6 +232,13 @@ class LoRASlots:
         if held is None:
             raise RuntimeError(f"LoRA slot {slot} holds no adapter but the step has rows on it")
         return held.get(key)
+
+    def held_delta(self, slot: int, key: Key) -> _Packed | None:
+        """`slot`'s delta on layer `key`; None when the slot is empty or its adapter leaves
+        the layer alone."""
+        self._check(slot)
+        held = self._held[slot]
+        return None if held is None else held.get(key)
 
     def _stacked(self, key: Key) -> _Stacked | None:
         """The held slots' deltas on layer `key`, stacked (None: no held slot touches it)."""
@@ -240,6 +258,7 @@ class LoRASlots:
         """Follow the installed model: its device and wrapped layers (what is held moves)."""
         self.device, self._wrapped = device, wrapped
         self._stacks = {}
+        self.version += 1
         for slot, adapter in enumerate(self._adapters):
             if adapter is not None:
                 self.load(slot, adapter)

@@ -23,6 +23,7 @@ import torch
 
 from ringserve.config import LoRAConfig, ModelConfig
 from ringserve.gpu.lora.adapter_config import read_adapter_config
+from ringserve.gpu.lora.capture import CaptureTables
 from ringserve.gpu.lora.layers import LoRABatch, LoRASlots, install_lora
 from ringserve.gpu.lora.weights import LoRAAdapter, load_adapter
 from ringserve.gpu.wire import SchedulerOutput
@@ -49,6 +50,7 @@ class LoRAManager:
         self.device = device
         self.slots = LoRASlots(config.max_loras)
         self.batch = LoRABatch()
+        self.capture_tables = CaptureTables()  # the slots as the captured step reads them
         self._requests: dict[str, LoRARequest] = {}  # request id -> its adapter
         self._in_memory: OrderedDict[str, LoRAAdapter] = OrderedDict()  # identity -> adapter
         self._slot_of: OrderedDict[str, int] = OrderedDict()  # identity -> slot, LRU first

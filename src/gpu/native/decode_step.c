@@ -22,6 +22,10 @@
  * eager path's argsort), the rows gathered in that order, the experts' SwiGLU
  * (moe_cpu.c's team function) and each decode's weighted sum of its k outputs, plus
  * the shared expert where there is one (the layer's gate_up / down, gated by a sigmoid).
+ *
+ * LoRA (rs_step.row_slots): after each dense projection, a decode on a LoRA slot gets that
+ * slot's delta, h = A x then each part's h B^T (the tensors the eager wrappers multiply:
+ * ringserve.gpu.lora.capture); base decodes are untouched.
  */
 #include <math.h>
 #include <omp.h>
@@ -44,6 +48,21 @@ typedef struct {
     int64_t shared_inter;
 } rs_moe;
 
+/* One part of a LoRA delta's expand: y[offset:offset + width] += h[c0:c1] b, b [c1 - c0,
+ * width] (B transposed, already scaled). */
+typedef struct {
+    int64_t c0, c1, offset, width;
+    const float *b;
+} rs_lora_seg;
+
+/* One slot's LoRA delta on one projection: h = A x (A [rank, in]), then its parts' expands
+ * (q / k / v or gate / up apart). a == NULL: the slot's adapter leaves the projection alone. */
+typedef struct {
+    const float *a;
+    int64_t rank, nsegs;
+    rs_lora_seg segs[3];
+} rs_lora;
+
 typedef struct {
     rs_weight qkv, o, gate_up, down;     /* gate_up, down unused when moe is set */
     const float *input_norm, *post_norm; /* [hidden] */
@@ -51,6 +70,9 @@ typedef struct {
     float *kv_cache;                     /* [2, num_slots, num_kv_heads, head_dim] */
     int64_t window;                      /* sliding window, 0: full attention */
     const rs_moe *moe;                   /* the layer's experts, or NULL: the dense MLP */
+    /* LoRA (ringserve.gpu.lora.capture): per projection (qkv, o, gate_up, down), the slots'
+     * deltas [max_loras] indexed by rs_step.row_slots; NULL: no adapter touches it. */
+    const rs_lora *lora[4];
 } rs_layer;
 
 /* The scratch of the MoE layers of one step (sized for the largest of them). */
@@ -92,6 +114,8 @@ typedef struct {
     const int64_t *aux_layers;
     int64_t num_aux;
     float *aux_out;
+    /* [n] the LoRA slot of each decode, -1 for the base model; NULL: no LoRA row. */
+    const int64_t *row_slots;
 } rs_step;
 
 static int64_t qkv_width(const rs_model *m)
@@ -242,11 +266,51 @@ static void moe_forward(const rs_model *m, const rs_moe *moe, int64_t n, const f
     }
 }
 
-/* out [n, hidden] = down(SiLU(gate(x)) * up(x)) with the layer's gate_up / down panels. */
-static void swiglu_mlp(const rs_layer *layer, int64_t n, int64_t hid, int64_t inter,
-                       const float *x, float *gu, float *act, float *out)
+/* y[i] += the LoRA delta of decode i's slot on x[i] (x [n, in], y [n, ldy]), for the rows on
+ * a slot whose adapter touches this projection; the others are left as they are. */
+static void lora_delta(const rs_lora *slots, const rs_step *s, const float *x, int64_t in,
+                       float *y, int64_t ldy)
+{
+    if (slots == NULL || s->row_slots == NULL)
+        return;
+#pragma omp for schedule(static)
+    for (int64_t i = 0; i < s->n; i++) {
+        const int64_t slot = s->row_slots[i];
+        if (slot < 0 || slots[slot].a == NULL)
+            continue;
+        const rs_lora *d = &slots[slot];
+        const float *xi = x + i * in;
+        float h[d->rank > 0 ? d->rank : 1];
+        for (int64_t j = 0; j < d->rank; j++) {
+            const float *a = d->a + j * in;
+            float dot = 0.f;
+#pragma omp simd reduction(+ : dot)
+            for (int64_t c = 0; c < in; c++)
+                dot += a[c] * xi[c];
+            h[j] = dot;
+        }
+        float *yi = y + i * ldy;
+        for (int64_t g = 0; g < d->nsegs; g++) {
+            const rs_lora_seg *seg = &d->segs[g];
+            float *out = yi + seg->offset;
+            for (int64_t j = seg->c0; j < seg->c1; j++) {
+                const float hj = h[j], *b = seg->b + (j - seg->c0) * seg->width;
+#pragma omp simd
+                for (int64_t c = 0; c < seg->width; c++)
+                    out[c] += hj * b[c];
+            }
+        }
+    }
+}
+
+/* out [n, hidden] = down(SiLU(gate(x)) * up(x)) with the layer's gate_up / down panels (and
+ * their LoRA deltas when `lora` is set). */
+static void swiglu_mlp(const rs_layer *layer, const rs_step *lora, int64_t n, int64_t hid,
+                       int64_t inter, const float *x, float *gu, float *act, float *out)
 {
     rs_linear_team(&layer->gate_up, x, n, hid, gu, 2 * inter);
+    if (lora != NULL)
+        lora_delta(layer->lora[2], lora, x, hid, gu, 2 * inter);
 #pragma omp for schedule(static)
     for (int64_t i = 0; i < n; i++) {
         const float *g = gu + i * 2 * inter, *u = g + inter;
@@ -260,6 +324,8 @@ static void swiglu_mlp(const rs_layer *layer, int64_t n, int64_t hid, int64_t in
             a[j] = g[j] / (1.f + rs_exp(-g[j])) * u[j];
     }
     rs_linear_team(&layer->down, act, n, inter, out, hid);
+    if (lora != NULL)
+        lora_delta(layer->lora[3], lora, act, inter, out, hid);
 }
 
 static void layer_forward(const rs_model *m, const rs_layer *layer, const rs_step *s,
@@ -271,6 +337,7 @@ static void layer_forward(const rs_model *m, const rs_layer *layer, const rs_ste
     const int64_t qw = qkv_width(m), aw = m->num_heads * m->head_dim;
 
     rs_linear_team(&layer->qkv, normed, n, hid, qkv, qw);
+    lora_delta(layer->lora[0], s, normed, hid, qkv, qw);
 #pragma omp for schedule(static)
     for (int64_t i = 0; i < n; i++)
         prepare_row(m, layer, qkv + i * qw, s->positions[i], s->slots[i]);
@@ -284,6 +351,7 @@ static void layer_forward(const rs_model *m, const rs_layer *layer, const rs_ste
                         0.f, scores);
     }
     rs_linear_team(&layer->o, attn, n, aw, tmp, hid);
+    lora_delta(layer->lora[1], s, attn, aw, tmp, hid);
     add_and_norm(m, n, residual, tmp, layer->post_norm, normed);
     const rs_moe *moe = layer->moe;
     if (moe != NULL) {
@@ -291,7 +359,7 @@ static void layer_forward(const rs_model *m, const rs_layer *layer, const rs_ste
         if (moe->shared_gate != NULL) {
             /* The routed rows are consumed: their buffer holds the shared expert's output. */
             float *shared = ms->rows;
-            swiglu_mlp(layer, n, hid, moe->shared_inter, normed, gu, act, shared);
+            swiglu_mlp(layer, NULL, n, hid, moe->shared_inter, normed, gu, act, shared);
 #pragma omp for schedule(static)
             for (int64_t i = 0; i < n; i++) {
                 const float *x = normed + i * hid, *y = shared + i * hid;
@@ -307,7 +375,7 @@ static void layer_forward(const rs_model *m, const rs_layer *layer, const rs_ste
         add_and_norm(m, n, residual, tmp, next_norm, next_out);
         return;
     }
-    swiglu_mlp(layer, n, hid, inter, normed, gu, act, tmp);
+    swiglu_mlp(layer, s, n, hid, inter, normed, gu, act, tmp);
     add_and_norm(m, n, residual, tmp, next_norm, next_out);
 }
 

@@ -58,7 +58,7 @@ class _RsLayer(ctypes.Structure):
     _fields_ = [
         ("qkv", RsWeight), ("o", RsWeight), ("gate_up", RsWeight), ("down", RsWeight),
         ("input_norm", _ptr), ("post_norm", _ptr), ("q_norm", _ptr), ("k_norm", _ptr),
-        ("kv_cache", _ptr), ("window", _i64), ("moe", _ptr),
+        ("kv_cache", _ptr), ("window", _i64), ("moe", _ptr), ("lora", _ptr * 4),
     ]
 
 
@@ -78,7 +78,7 @@ class _RsStep(ctypes.Structure):
         ("n", _i64), ("token_ids", _ptr), ("positions", _ptr), ("slots", _ptr),
         ("tables", _ptr), ("max_blocks", _i64), ("lens", _ptr), ("max_len", _i64),
         ("out", _ptr), ("work", _ptr), ("nthreads", _i64), ("abort_flag", _ptr),
-        ("aux_layers", _ptr), ("num_aux", _i64), ("aux_out", _ptr),
+        ("aux_layers", _ptr), ("num_aux", _i64), ("aux_out", _ptr), ("row_slots", _ptr),
     ]
 
 
@@ -172,6 +172,7 @@ class DecodeCapture:
         floats = library.rs_step_work_floats(ctypes.byref(self._model), self.max_batch)
         self._work = torch.empty(floats, dtype=torch.float32)
         self._out = torch.empty(self.max_batch, spec.hidden_size, dtype=torch.float32)
+        self._lora_keep: object = None
         self.info = CaptureInfo(sizes, 0.0, tuple(sorted(formats)))
 
     def _moe(self, mlp: object) -> _RsMoe | None:
@@ -232,11 +233,28 @@ class DecodeCapture:
         """
         return self.run_keeping(inputs, abort_flag, ())[0]
 
-    def run_keeping(self, inputs: StepInputs, abort_flag: int,
-                    layers: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    @property
+    def num_layers(self) -> int:
+        """The decoder layers the step runs."""
+        return len(self._layers)
+
+    def set_lora(self, tables: list[list[int | None]], keep: object) -> None:
+        """Point every layer's projections (qkv, o, gate_up, down) at their LoRA slot tables
+        (addresses of `rs_lora` arrays, None: no adapter touches it; built by
+        `ringserve.gpu.lora.capture`), which `keep` keeps alive."""
+        for layer, pointers in zip(self._layers, tables, strict=True):
+            for k, pointer in enumerate(pointers):
+                layer.lora[k] = pointer
+        self._lora_keep = keep
+
+    def run_keeping(self, inputs: StepInputs, abort_flag: int, layers: tuple[int, ...],
+                    row_slots: np.ndarray | None = None,
+                    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """`run`, also keeping the residual stream entering each of `layers` (as
         `LlamaModel.aux_layers`): (hidden [B, hidden], those inputs concatenated in order
-        [B, len(layers) * hidden], or None when `layers` is empty).
+        [B, len(layers) * hidden], or None when `layers` is empty). `row_slots` (int64 [B],
+        -1 for a base row): each decode's LoRA slot, whose delta the step adds (`set_lora`
+        must have described the slots).
 
         Raises:
             StepAborted: the flag was raised during the step.
@@ -257,6 +275,7 @@ class DecodeCapture:
             self._out.data_ptr(), self._work.data_ptr(), torch.get_num_threads(),
             abort_flag or None, wanted.ctypes.data if layers else None, len(layers),
             kept.data_ptr() if kept is not None else None,
+            row_slots.ctypes.data if row_slots is not None else None,
         )
         status = self._library.rs_decode_step(ctypes.byref(self._model), ctypes.byref(step))
         if status == -3:
