@@ -50,9 +50,18 @@ start and at the end, the higher one used). "% of bound"
 is bound / measured; "vs llama" is llama-server's ms (same precision: F32 ~ float32, Q8_0 ~
 int8, Q4_1 ~ int4) over the row's ms, > 1 meaning faster than llama-server.
 
+A real checkpoint instead of the random one (issue 48's targets): `--model-dir DIR` (its
+float32 directory), `--bf16-dir DIR` (the same weights saved in bf16), `--gguf QUANT=FILE`
+for each precision's llama-server weights (float32=F32, bf16=BF16, int4=Q4_1), and
+`--llama-server BIN` (no build). With `--model-dir`, ringserve's int4 row serves the int4
+GGUF file itself with no flags (its Q4_1 codes on int4 panels, as `ringserve serve FILE`
+does), against llama-server on the same file.
+
     .venv/bin/python scripts/bench_decode.py [--threads 2] [--batches 1 8 32 64] [--tokens 32]
         [--runs 3] [--only ringserve|llama|hf ...] [--quant float32 bf16 bf16-compute int8 int4]
-        [--cuda-graph-sizes ...] [--build-only]
+        [--cuda-graph-sizes ...] [--build-only] [--model-dir DIR --bf16-dir DIR
+        --gguf float32=F32.gguf --gguf bf16=BF16.gguf --gguf int4=Q4_1.gguf
+        --llama-server BIN]
 """
 
 from __future__ import annotations
@@ -336,9 +345,11 @@ def ringserve_engine(model: Path, quant: str, eager: bool, args: argparse.Namesp
                           "max_model_len": args.context, "disable_log_stats": True,
                           "enforce_eager": eager, "cuda_graph_sizes": args.cuda_graph_sizes}
     if quant in BF16:
-        model = bf16_model_dir()
+        model = args.bf16_dir or bf16_model_dir()
         if quant == "bf16-compute":
             kw["dtype"] = "bfloat16"
+    elif quant == "int4" and args.model_dir is not None and "int4" in args.gguf:
+        model = args.gguf["int4"]  # the file itself, served from its codes with no flags
     elif quant != "float32":
         kw["quantization"] = quant
     return LLM(str(model), **kw)
@@ -582,11 +593,15 @@ def header(args: argparse.Namespace, bandwidth: float) -> list[str]:
         f"command: {' '.join([Path(sys.executable).name, *sys.argv])}",
         f"machine: {platform.machine()} {cpu}, cpus={os.cpu_count()}, load average "
         f"{' '.join(f'{x:.2f}' for x in os.getloadavg())}; python {platform.python_version()}"
-        f", torch {torch.__version__}, transformers {transformers.__version__}, llama.cpp from "
-        f"{llama_source().parent.parent.name}; {args.threads} threads everywhere",
+        f", torch {torch.__version__}, transformers {transformers.__version__}, llama.cpp "
+        f"{args.llama_server or llama_source().parent.parent.name}; {args.threads} threads "
+        f"everywhere",
         f"read bandwidth (.sum() over 512 MB float32, {args.threads} threads, median of 5): "
         f"{bandwidth / 1e9:.2f} GB/s",
-        f"workload: SmolLM-135M shape, random weights (std {INIT_STD}); batch B = B concurrent "
+        f"workload: {args.model_dir or f'SmolLM-135M shape, random weights (std {INIT_STD})'}"
+        f"{' and ' + str(args.bf16_dir) if args.bf16_dir else ''}"
+        f"{'; GGUFs ' + ', '.join(f'{q}={p}' for q, p in args.gguf.items()) if args.gguf else ''}"
+        f"; batch B = B concurrent "
         f"streams of {args.prompt_len} prompt tokens (prefix-cached), greedy, ignore_eos; "
         f"ms/token over {args.tokens - 1} decode steps (max_tokens {args.tokens} against 1), "
         f"median of {args.runs} interleaved runs (range); ringserve captured sizes "
@@ -611,7 +626,23 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         "the engine's own default ladder is 1 2 4 8 16 32)")
     parser.add_argument("--build-only", action="store_true",
                         help="build llama.cpp, the model directory and the GGUFs, then stop")
+    parser.add_argument("--model-dir", type=Path, default=None,
+                        help="a real float32 checkpoint directory instead of the random model")
+    parser.add_argument("--bf16-dir", type=Path, default=None,
+                        help="the same weights saved in bf16 (the bf16 rows)")
+    parser.add_argument("--gguf", action="append", default=[], metavar="QUANT=FILE",
+                        help="llama-server's weights for a precision (repeatable)")
+    parser.add_argument("--llama-server", type=Path, default=None,
+                        help="a llama-server binary (nothing is built)")
     args = parser.parse_args(argv)
+    try:
+        args.gguf = {q: Path(p) for q, _, p in (g.partition("=") for g in args.gguf)}
+    except ValueError:
+        parser.error("--gguf takes QUANT=FILE")
+    if args.llama_server is not None and "llama" in (args.only or ["llama"]):
+        missing = [q for q in args.quant if q not in args.gguf]
+        if missing:
+            parser.error(f"--llama-server needs --gguf for {', '.join(missing)}")
     if args.tokens < 2 or args.runs < 1 or args.threads < 1 or min(args.batches) < 1:
         parser.error("--tokens must be >= 2 and --runs, --threads, --batches >= 1")
     args.batches = sorted(set(args.batches))
@@ -626,10 +657,13 @@ def main(argv: list[str] | None = None) -> int:
     # SIGTERM unwinds like Ctrl-C, so the finally blocks stop llama-server and the engines.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     os.environ["OMP_NUM_THREADS"] = str(args.threads)  # before torch; the engine's core too
-    model = model_dir()
+    model = args.model_dir or model_dir()
     binaries: dict[str, Path] = {}
     ggufs: dict[str, Path] = {}
-    if args.build_only or "llama" in args.only:
+    if args.llama_server is not None:
+        binaries = {"llama-server": args.llama_server}
+        ggufs = dict(args.gguf)
+    elif args.build_only or "llama" in args.only:
         binaries = llama_binaries()
         ggufs = gguf_models(model, list(args.quant), args.threads)
     if args.build_only:
