@@ -409,10 +409,11 @@ def test_cli_bad_config_is_one_line_and_exit_two(tiny_llama_dir: Path) -> None:
 
 
 @pytest.mark.slow  # a fresh interpreter reading the target
-def test_cli_missing_draft_exits_one(tiny_llama_dir: Path, tmp_path: Path) -> None:
+@pytest.mark.parametrize("method", ["draft_model", "eagle3"])
+def test_cli_missing_draft_exits_one(method: str, tiny_llama_dir: Path, tmp_path: Path) -> None:
     missing = tmp_path / "nope"
     proc = _serve(str(tiny_llama_dir), *SMALL, "--speculative-config",
-                  json.dumps({"method": "draft_model", "model": str(missing)}))
+                  json.dumps({"method": method, "model": str(missing)}))
     assert proc.returncode == 1, proc.stderr
     assert "Traceback" not in proc.stderr
     # The target's start-up lines (its dtype) are INFO records; the rest is the error line.
