@@ -149,6 +149,9 @@ LONG = {
         "test_llm.py::test_mp_executor_tensor_parallel_matches_transformers[2]",
     "tests/engine/test_fault_tolerance.py::test_auto_retry_recovers_without_an_instruction":
         "test_worker_death_then_retry_then_abort",
+    "tests/engine/test_fault_tolerance.py::test_hung_core_fails_its_streams_within_the_timeout":
+        "test_hang_watch.py and test_dp_expert_parallel.py::"
+        "test_hung_core_fails_every_stream_within_the_timeout",
     "tests/engine/test_dp_expert_parallel.py::test_sleep_level_2_is_all_cores_or_none":
         "test_lockstep_sleep.py and test_engine_core.py::test_hold_new_requests_for_a_lockstep_sleep",
     "tests/chaos/test_chaos_dp_ep.py::test_chaos_dp_ep":

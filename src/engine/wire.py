@@ -21,6 +21,7 @@ from ringserve.pooling_params import PoolingParams
 from ringserve.sampling_params import SamplingParams
 
 __all__ = [
+    "CORE_HUNG_METHOD",
     "DEAD_CALL_ID",
     "FAULT_INSTRUCTIONS",
     "FAULT_INSTRUCTION_METHOD",
@@ -257,6 +258,10 @@ FAULT_INSTRUCTIONS = ("retry", "abort")
 
 # `UtilityOutput.call_id` of a core's dead notice (an engine fault; the core exits next).
 DEAD_CALL_ID = -1
+# The utility method by which a frontend tells a core it has declared it hung (silent for the
+# hang timeout: stopped, or stuck): args [reason], call id 0 (no answer is awaited). The core,
+# once it runs again, takes it as an engine fault (`ringserve.engine.core.faults.hang_timeout_s`).
+CORE_HUNG_METHOD = "engine_core_hung"
 
 
 class HandshakeReply(msgspec.Struct, tag="handshake", array_like=True):

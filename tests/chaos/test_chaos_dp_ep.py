@@ -8,7 +8,8 @@ scaled-out supervisor), fault tolerance on, `--execute-model-timeout-s 3`:
    both engines report unhealthy; `retry` (the killed core is restarted by the server and
    rejoins) makes both healthy within 60 s; 16 greedy requests equal the fault-free run's.
 2. SIGSTOP a core (a hang): the other's step gives up after the timeout and fails its
-   streams; the hung core, woken a second later, fails its own; the same checks.
+   streams; the hung core's own end as well (its frontends hear nothing from it for the
+   timeout), and it is woken after that; the same checks.
 3. Pool check: no request running or waiting and no KV block in use (`/metrics`).
 """
 
@@ -86,8 +87,9 @@ async def _core_kill(chaos: LockstepChaos, rng: random.Random) -> None:
 
 
 async def _core_hang(chaos: LockstepChaos) -> None:
-    """The hung core's own streams wait for it (its process is alive; nothing else can end
-    them): it is woken once the other has timed out, and ends them itself."""
+    """Every stream ends about the timeout after the SIGSTOP: the other core's by its failed
+    collective, the hung core's own by its frontends, which hear nothing from it. It is woken
+    once they have ended (or a second after the timeout)."""
     _, cores = chaos.tree()
     victim = cores[1]
     wake = threading.Timer(EXECUTE_TIMEOUT_S + 1.0, lambda: os.kill(victim, signal.SIGCONT))

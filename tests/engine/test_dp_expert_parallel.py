@@ -5,7 +5,10 @@ idle core runs dummy passes) and gives transformers' greedy tokens; so do reques
 once, and a new wave after an idle spell. Faults: a killed core fails the requests of the
 other too (its collectives cannot complete), both report unhealthy, `retry` rebuilds the group
 in a new epoch and both serve the same tokens again; a hung core (SIGSTOP) is a fault of the
-other within the lockstep timeout (`--execute-model-timeout-s`)."""
+other within the lockstep timeout (`--execute-model-timeout-s`), and its own streams end
+within that timeout too (its frontend hears nothing from it). Sleep reaches every core
+together: refused while one core serves (the other stays awake and keeps stepping with it),
+then level 2 on both, and a wake-up of both."""
 
 from __future__ import annotations
 
@@ -136,19 +139,89 @@ async def test_killed_core_fails_the_other_and_retry_rebuilds_the_group() -> Non
             assert llm.output_processor.get_num_unfinished_requests() == 0
 
 
-async def test_hung_core_is_a_fault_of_the_other_within_the_timeout() -> None:
+async def test_hung_core_fails_every_stream_within_the_timeout() -> None:
+    """SIGSTOP of core 1 under a stream on each core: core 0's step gives up after the
+    lockstep timeout, and core 1's own stream ends with an engine fault too while core 1 is
+    still stopped (its frontend heard nothing from it for the timeout; before, that stream
+    waited for SIGCONT). Woken, core 1 faults as well; `retry` rebuilds both."""
     async with _engine(execute_model_timeout_s=3.0) as llm:
         client = llm.client
         assert client is not None
         pid = client.processes[1].pid
         with trio.fail_after(180):
+            errors: dict[int, str] = {}
             try:
-                with trio.fail_after(20):  # 3 s timeout, with slack for a loaded machine
-                    error = await _stream_until_fault(llm, 0,
-                                                      lambda: os.kill(pid, signal.SIGSTOP))
+                with trio.fail_after(30):  # 3 s timeout, with slack for a loaded machine
+                    started = [trio.Event(), trio.Event()]
+
+                    async def stream(rank: int) -> None:
+                        try:
+                            async for _ in llm.generate({"prompt_token_ids": [5, 6, 7]}, LONG,
+                                                        f"long{rank}", data_parallel_rank=rank):
+                                started[rank].set()
+                            errors[rank] = "finished"
+                        except EngineGenerateError as exc:
+                            errors[rank] = str(exc)
+                            started[rank].set()
+
+                    async with trio.open_nursery() as nursery:
+                        for rank in (0, 1):
+                            nursery.start_soon(stream, rank)
+                        for event in started:
+                            await event.wait()
+                        os.kill(pid, signal.SIGSTOP)
+                assert all("engine fault" in error for error in errors.values()), errors
+                assert "hung" in errors[1], errors
+                assert [e.status for e in llm.fault_status().engines] == ["unhealthy"] * 2
             finally:
                 os.kill(pid, signal.SIGCONT)
-            assert "engine fault" in error, error
-            # Core 1, woken, sees the announced fault and stops too.
+            # Core 1, woken, sees the announced fault and the hung notice and stops too; an
+            # instruction reaches it once it is heard from again.
+            while client.hung:
+                await trio.sleep(0.05)
             await _statuses(llm, ["unhealthy", "unhealthy"], 30)
             await _retry_until_healthy(llm)
+            assert llm.output_processor.get_num_unfinished_requests() == 0
+            for stats in await llm.call_utility("get_stats"):
+                assert stats["num_running_reqs"] == 0 and stats["kv_cache_usage"] == 0.0
+
+
+async def test_sleep_level_2_is_all_cores_or_none() -> None:
+    """`sleep` while core 1 serves is refused on every core (before: core 0, idle, slept, its
+    experts went with its weights, and core 1's next collective timed out into a fault); once
+    the stream has finished both sleep at level 2 together, a request sent meanwhile waits,
+    and `wake_up` wakes both with transformers' tokens."""
+    async with _engine(execute_model_timeout_s=3.0) as llm:
+        with trio.fail_after(120):
+            started, tokens, errors = trio.Event(), list[int](), list[str]()
+
+            async def stream() -> None:
+                try:
+                    async for out in llm.generate({"prompt_token_ids": [5, 6, 7]}, LONG,
+                                                  "long", data_parallel_rank=1):
+                        tokens.extend(out.outputs[0].token_ids)
+                        started.set()
+                except EngineGenerateError as exc:
+                    errors.append(str(exc))
+                    started.set()
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(stream)
+                await started.wait()
+                with pytest.raises(ValueError, match="in flight"):
+                    await llm.call_utility("sleep", 2)
+                assert await llm.call_utility("is_sleeping") == [0, 0]
+            assert errors == [] and len(tokens) == LONG.max_tokens
+            assert [e.status for e in llm.fault_status().engines] == ["healthy", "healthy"]
+
+            await llm.call_utility("sleep", 2)
+            assert await llm.call_utility("is_sleeping") == [2, 2]
+            held = await llm.add_request("held", {"prompt_token_ids": PROMPTS[0]}, GREEDY,
+                                         data_parallel_rank=0)
+            await llm.call_utility("wake_up")
+            assert await llm.call_utility("is_sleeping") == [0, 0]
+            final = None
+            while final is None or not final.finished:
+                final = await held.get()
+            assert list(final.outputs[0].token_ids) == _hf_tokens(tuple(PROMPTS[0]))
+            assert await _greedy(llm, PROMPTS[1], 1, "awake1") == _hf_tokens(tuple(PROMPTS[1]))

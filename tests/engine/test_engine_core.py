@@ -132,3 +132,25 @@ def test_sleep_and_wake_up(tiny_llama_dir: Path) -> None:
     with pytest.raises(ValueError, match="sleep level"):
         engine.call_utility("sleep", 3)
     engine.shutdown()
+
+
+def test_hold_new_requests_for_a_lockstep_sleep(tiny_llama_dir: Path) -> None:
+    """The cores of a lockstep deployment agree on a sleep: each holds new requests and says
+    how many are in flight (those go on); releasing queues the held ones."""
+    engine = LLMEngine(_config(tiny_llama_dir), executor_class=NullExecutor)
+    params = SamplingParams(max_tokens=2, ignore_eos=True)
+    engine.add_request("busy", {"prompt_token_ids": [5] * 4}, params)
+    assert engine.call_utility("hold_new_requests") == 1
+    engine.add_request("held", {"prompt_token_ids": [6] * 4}, params)
+    assert set(_run(engine)) == {"busy"}  # the one in flight finished; the new one waits
+    assert engine.call_utility("hold_new_requests") == 0
+    engine.call_utility("release_new_requests")
+    assert len(_run(engine)["held"]) == 2
+    engine.call_utility("hold_new_requests")
+    engine.call_utility("sleep", 2)
+    engine.call_utility("release_new_requests")  # asleep: still held until the wake-up
+    engine.add_request("later", {"prompt_token_ids": [7] * 4}, params)
+    assert engine.step() == []
+    engine.call_utility("wake_up")
+    assert len(_run(engine)["later"]) == 2
+    engine.shutdown()

@@ -147,6 +147,42 @@ async def test_hung_worker_is_a_fault_and_the_recovery_timeout_ends_the_engine(
 
 
 @pytest.mark.slow
+async def test_hung_core_fails_its_streams_within_the_timeout(tiny_llama_dir: Path) -> None:
+    """SIGSTOP of the engine core itself (not a worker) under a stream: the frontend hears
+    nothing from it for --execute-model-timeout-s, so the stream ends with an engine fault
+    while the core is still stopped (before, it waited for SIGCONT), the core is UNHEALTHY and
+    new requests are refused as recovering. Woken, the core faults by itself (its step is past
+    the timeout, or it reads the frontend's notice; its outputs for the failed request are
+    dropped); `retry` brings it back
+    with the same greedy tokens, no request or KV block in use and its old worker gone."""
+    async with ft_engine(tiny_llama_dir, execute_model_timeout_s=2.0) as llm:
+        assert llm.client is not None
+        before = await greedy_tokens(llm)
+        core, workers = llm.client.processes[0].pid, worker_pids(llm)
+        try:
+            with trio.fail_after(30):
+                _, error = await stream_until_fault(llm, lambda: os.kill(core, signal.SIGSTOP))
+            assert error is not None and "engine fault" in str(error), error
+            assert "hung" in str(error), error
+            status = await wait_status(llm, "unhealthy", timeout=1)
+            assert "hung" in (status["fault_info"] or ""), status
+            with pytest.raises(EngineRecoveringError, match="recovering from a fault"):
+                await greedy_tokens(llm)
+        finally:
+            os.kill(core, signal.SIGCONT)
+        with trio.fail_after(30):
+            while llm.client.hung:  # until it is heard from again (retry reaches it then)
+                await trio.sleep(0.05)
+        await llm.apply_fault_instruction("retry")
+        await wait_status(llm, "healthy")
+        assert await greedy_tokens(llm) == before
+        stats = (await llm.call_utility("get_stats"))[0]
+        assert stats["num_running_reqs"] == 0 and stats["kv_cache_usage"] == 0.0
+        assert llm.output_processor.get_num_unfinished_requests() == 0
+        assert not any(Path(f"/proc/{pid}").exists() for pid in workers)
+
+
+@pytest.mark.slow
 async def test_worker_hung_in_sleep_is_a_fault(tiny_llama_dir: Path) -> None:
     """A worker that does not answer `sleep` within --execute-model-timeout-s is an engine
     fault (the core no longer waits forever): the call fails, the core is UNHEALTHY, and

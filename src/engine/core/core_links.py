@@ -17,8 +17,9 @@ one API server, or engines on other hosts) the input sockets are monitored:
   the core's handshake and its last fault status, so a restarted frontend learns the core's
   state without the core restarting; nothing is sent to a frontend before its link is up
   (it could not yet send to the core either);
-* with `heartbeat_s` set (engines on other hosts), an idle output link carries an empty
-  batch every `heartbeat_s`, by which a frontend tells a silent core from a lost one.
+* with `heartbeat_s` set (engines on other hosts, and any core its frontends watch for hangs:
+  `faults.hang_timeout_s`), an idle output link carries an empty batch every `heartbeat_s`,
+  by which a frontend tells a silent core from a lost or hung one.
 
 When a DP coordinator runs (`coordinator_addr`), the output thread also pushes the core's queue
 lengths to it whenever they change (`cluster_wire.EngineLoad`), and at least every second.

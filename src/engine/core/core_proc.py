@@ -42,10 +42,12 @@ import zmq
 from ringserve.config import EngineConfig
 from ringserve.engine.cluster.wire import ClusterTopology
 from ringserve.engine.core.core_links import BROADCAST, ClientLinks
-from ringserve.engine.core.dp_wave import PeerFault, WaveSync, lockstep_timeout
+from ringserve.engine.core.dp_wave import PeerFault, WaveSync
 from ringserve.engine.core.engine_core import EngineCore
-from ringserve.engine.core.faults import FaultInstruction, describe
+from ringserve.engine.core.faults import DeclaredHung, FaultInstruction, describe, heartbeat_s
+from ringserve.engine.core.lockstep_proc import LockstepProcMixin, PeerFaulted, WaveStarted
 from ringserve.engine.wire import (
+    CORE_HUNG_METHOD,
     DEAD_CALL_ID,
     FAULT_INSTRUCTION_METHOD,
     AbortRequests,
@@ -82,21 +84,6 @@ class _Wake:
 
 
 _WAKE = _Wake()
-
-
-class _WaveStarted:
-    """Put in the input queue by the lockstep watcher: wave `number` of `epoch` has started
-    on some core (`ringserve.engine.core.dp_wave`)."""
-
-    def __init__(self, epoch: int, number: int) -> None:
-        self.epoch, self.number = epoch, number
-
-
-class _PeerFaulted:
-    """Put in the input queue by the lockstep watcher: a fault of `epoch` was announced."""
-
-    def __init__(self, epoch: int, reason: str) -> None:
-        self.epoch, self.reason = epoch, reason
 
 
 class _ClientGone:
@@ -162,7 +149,7 @@ def undecodable_request(body: Any, error: Exception) -> EngineCoreOutput | None:
                             stop_reason=f"the engine core could not decode the request: {error}")
 
 
-class EngineCoreProc:
+class EngineCoreProc(LockstepProcMixin):
     """Runs one EngineCore behind zmq sockets.
 
     Args:
@@ -196,14 +183,17 @@ class EngineCoreProc:
         self.links = ClientLinks(
             self.ctx, engine_index, list(zip(inputs, outputs, strict=True)),
             watch=topology is not None,
-            heartbeat_s=topology.heartbeat_s if topology is not None and remote else None,
+            # A local core beats when its frontends watch it for hangs (`faults.py`).
+            heartbeat_s=topology.heartbeat_s if topology is not None and remote
+            else heartbeat_s(config),
             coordinator_addr=(topology.coordinator_input or None) if topology else None,
             secure=secure)
         self.input_queue: queue.Queue[
-            CoreInput | _ExecutorFailed | _Wake | _WaveStarted | _PeerFaulted | _ClientGone
+            CoreInput | _ExecutorFailed | _Wake | WaveStarted | PeerFaulted | _ClientGone
             | _OutputDied,
         ] = queue.Queue()
         self.waves: WaveSync | None = None
+        self._at_wave_end: list[UtilityCall] = []
         # Unbounded on purpose: the busy loop must never block on output; the output thread
         # sends as fast as the socket allows and zmq's own high-water mark applies behind it.
         # Items are (client index or core_links.BROADCAST, message), or None to stop.
@@ -325,32 +315,6 @@ class EngineCoreProc:
             engine_index=self.engine_index, pid=os.getpid()))
         return True
 
-    def join_lockstep(self) -> None:
-        """Join (again, after a retry: in the new epoch) the other cores' lockstep, when the
-        deployment has one (`ringserve.engine.core.dp_wave`)."""
-        parallel = self.config.parallel_config
-        if not parallel.lockstep:
-            return
-        if self.waves is not None:
-            self.waves.close()
-        put = self.input_queue.put
-        self.waves = WaveSync(
-            self.engine_index, parallel.data_parallel_size, parallel.data_parallel_master_port,
-            lockstep_timeout(self.config.fault_tolerance_config.execute_model_timeout_s),
-            lambda epoch, n: put(_WaveStarted(epoch, n)),
-            lambda epoch, reason: put(_PeerFaulted(epoch, reason)),
-            parallel.dp_sync_interval)
-
-    def announce_fault(self, error: BaseException) -> None:
-        """An engine fault of this core ends the lockstep epoch for every core (a no-op
-        without lockstep)."""
-        if self.waves is not None and not isinstance(error, PeerFault):
-            try:
-                self.waves.announce_fault(f"engine core {self.engine_index}: {describe(error)}")
-            except RuntimeError as exc:  # the frontend (and its store) is gone
-                logger.warning("engine core %d: cannot announce the fault: %s",
-                               self.engine_index, exc)
-
     def watch_executor(self) -> None:
         """Have the core's (new) executor wake the busy loop when a worker dies."""
         assert self.core is not None
@@ -364,7 +328,7 @@ class EngineCoreProc:
         if core is None:
             raise RuntimeError("start_core() must succeed before run_busy_loop()")
         if self.waves is not None:
-            self._run_lockstep(core, self.waves)
+            self.run_lockstep(core, self.waves)
         use_queue = core.batch_queue_size > 1
         while True:
             self._drain_inputs(block=not core.has_work())
@@ -372,19 +336,6 @@ class EngineCoreProc:
                 outputs, _ = core.step_with_batch_queue()
             else:
                 outputs, _ = core.step()
-            if outputs:
-                self.send_outputs(outputs)
-
-    def _run_lockstep(self, core: EngineCore, waves: WaveSync) -> None:
-        """The busy loop of a lockstep deployment (see `ringserve.engine.core.dp_wave`): within a
-        wave, a consensus step, then a real step or a dummy pass, on every core alike."""
-        while True:
-            self._drain_inputs(block=not (core.has_work() or waves.wants_to_run()))
-            if not waves.enter(core.has_work()) or not waves.any_work(core.has_work()):
-                continue
-            outputs, ran = core.step()
-            if not ran:
-                core.dummy_pass()
             if outputs:
                 self.send_outputs(outputs)
 
@@ -398,8 +349,8 @@ class EngineCoreProc:
                 return
             self._handle(message)
 
-    def _handle(self, message: CoreInput | _ExecutorFailed | _Wake | _WaveStarted
-                | _PeerFaulted | _ClientGone | _OutputDied) -> None:
+    def _handle(self, message: CoreInput | _ExecutorFailed | _Wake | WaveStarted
+                | PeerFaulted | _ClientGone | _OutputDied) -> None:
         core = self.core
         assert core is not None  # run_busy_loop checked it
         if message is _OUTPUT_DIED:
@@ -407,11 +358,11 @@ class EngineCoreProc:
             return
         if message is _WAKE:
             return  # a grammar compiled: the loop's next step admits its request
-        if isinstance(message, _WaveStarted):
+        if isinstance(message, WaveStarted):
             if self.waves is not None:
                 self.waves.note_wake(message.epoch, message.number)
             return
-        if isinstance(message, _PeerFaulted):
+        if isinstance(message, PeerFaulted):
             if self.waves is not None and message.epoch == self.waves.epoch:
                 raise PeerFault(f"the expert-parallel group failed: {message.reason}")
             return
@@ -429,6 +380,10 @@ class EngineCoreProc:
         elif isinstance(message, UtilityCall):
             if message.method == FAULT_INSTRUCTION_METHOD:
                 raise FaultInstruction(message)  # the sentinel answers it
+            if message.method == CORE_HUNG_METHOD:  # its requests already failed there
+                raise DeclaredHung(str(message.args[0]) if message.args else "hung")
+            if self.defer_to_wave_end(message):
+                return
             if _holds_steps(message):
                 # The steps in flight come back (run or skipped) before the pause applies.
                 outputs = core.settle_hold()

@@ -40,6 +40,7 @@ from typing import Any
 import torch
 
 from ringserve.config import EngineConfig
+from ringserve.engine.core.faults import LOCKSTEP_DEFAULT_TIMEOUT_S
 from ringserve.gpu.layers.parallel import connect_store, gloo_group, serve_store
 
 logger = logging.getLogger(__name__)
@@ -48,7 +49,7 @@ logger = logging.getLogger(__name__)
 # sets the keys they wait for so that they leave at once.
 _WAIT_SLICE = timedelta(hours=1)
 EPOCH_KEY = "ringserve/epoch"
-DEFAULT_TIMEOUT_S = 60.0
+DEFAULT_TIMEOUT_S = LOCKSTEP_DEFAULT_TIMEOUT_S
 
 
 def lockstep_timeout(execute_model_timeout_s: float | None) -> float:

@@ -49,7 +49,7 @@ logger = logging.getLogger(__name__)
 _FINISHED = AllowAll()
 
 UTILITY_METHODS = frozenset({
-    "sleep", "wake_up", "is_sleeping",
+    "sleep", "wake_up", "is_sleeping", "hold_new_requests", "release_new_requests",
     "get_step_timings", "get_weight_version", "set_weight_version", "pause", "resume", "is_paused",
     "reset_prefix_cache", "get_stats", "get_num_blocks", "ping", "remove_lora",
     *WEIGHT_SYNC_UTILITIES,
@@ -191,6 +191,7 @@ class EngineCore(WeightSyncMixin, PauseSleepMixin):
         self.scheduler = self._build_scheduler()
         self.pause_mode = None
         self.sleep_level = 0
+        self._holding_new = False
         self._held = []
         self.weight_version = version
         self._update_open = False
@@ -203,7 +204,7 @@ class EngineCore(WeightSyncMixin, PauseSleepMixin):
 
         While paused or asleep, new requests are held and queued on `resume()` / `wake_up()`.
         """
-        if self.pause_mode is not None or self.sleep_level:
+        if self.holds_new_requests():
             self._held.append(request)
             return
         self._add_to_scheduler(request)

@@ -7,6 +7,10 @@ requests are held and queued on `resume()` / `wake_up()`. A `keep` or `abort` pa
 announced early by the core process's input thread (`hold_for_pause`), so the steps the
 workers have not finished are skipped rather than waited for
 (`ringserve.gpu.executor.step_hold`); `settle_hold` books them before the pause applies.
+
+A lockstep deployment (DP + expert parallelism) sleeps and wakes every core together
+(`ringserve.engine.frontend.lockstep_sleep`): `hold_new_requests` holds new requests on each
+core while that is agreed, `release_new_requests` lets them in again.
 """
 
 from __future__ import annotations
@@ -35,6 +39,8 @@ class PauseSleepMixin:
     sleep_level: int
     step_timeout: float | None
     _held: list[EngineCoreRequest]  # requests that arrived while paused / asleep
+    # New requests are held while the cores of a lockstep deployment agree to sleep / wake.
+    _holding_new: bool = False
     executor: Executor
     _hold: bool  # a keep / abort pause is on its way from the input thread
     _hold_lock: threading.Lock
@@ -88,8 +94,25 @@ class PauseSleepMixin:
         self.pause_mode = None
         self._release_held()
 
+    def holds_new_requests(self) -> bool:
+        """Paused, asleep, or holding for a lockstep sleep / wake-up: new requests wait."""
+        return self.pause_mode is not None or bool(self.sleep_level) or self._holding_new
+
+    def hold_new_requests(self) -> int:
+        """Hold new requests until `release_new_requests` (the requests in flight go on);
+        returns how many are in flight. The first step of a lockstep deployment's sleep or
+        wake-up: no core can take a request between the check and the sleep, and no core
+        starts a wave while another is still loading its weights."""
+        self._holding_new = True
+        return self.scheduler.get_num_unfinished_requests()
+
+    def release_new_requests(self) -> None:
+        """Undo `hold_new_requests`: held requests are queued now (unless paused / asleep)."""
+        self._holding_new = False
+        self._release_held()
+
     def _release_held(self) -> None:
-        if self.pause_mode is not None or self.sleep_level:
+        if self.holds_new_requests():
             return
         held, self._held = self._held, []
         for request in held:

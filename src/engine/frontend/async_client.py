@@ -9,7 +9,8 @@ socket's FD is edge-triggered, so a task retries its non-blocking call and, on E
 read by one task only (a frame that does not decode as `EngineCoreOutputs` is logged and
 dropped). A send that meets a full pipe waits in its core's queue (`core_sender.py`), sent in
 order before the core's next message; aborts are never dropped (an abort for a core being
-restarted is moot). A core's death is seen at once through a pidfd.
+restarted is moot). A core's death is seen at once through a pidfd, a hang by its silence
+(`core_watch.py`).
 
 Each core's fault-tolerance state (`fault_tolerance.EngineFaultState`) follows the
 `FaultStatus` messages it publishes: an UNHEALTHY core is not dead (the client stays up and
@@ -28,7 +29,7 @@ from __future__ import annotations
 import itertools
 import logging
 import shutil
-from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import msgspec
@@ -42,8 +43,9 @@ from ringserve.engine.errors import (
     EngineDeadError,
     EngineRecoveringError,
 )
+from ringserve.engine.frontend import lockstep_sleep
 from ringserve.engine.frontend.core_sender import CoreSender, Queued, socket_events, socket_fd
-from ringserve.engine.frontend.core_watch import CoreWatch
+from ringserve.engine.frontend.core_watch import CoreWatch, OnCoreDeath
 from ringserve.engine.frontend.fault_tolerance import EngineFaultState, RestartBudget
 from ringserve.engine.frontend.ipc_dir import make_ipc_dir
 from ringserve.engine.frontend.mp_client import CoreProcess, wait_for_handshakes
@@ -106,10 +108,13 @@ class AsyncMPClient(CoreWatch):
         self._closed = False
         # Cores being restarted after their process died, and their handshake waiters.
         self.restarting: set[int] = set()
+        # Cores silent for the hang timeout, and when each was last heard from (`core_watch`).
+        self.hung: set[int] = set()
+        self.heard_at: dict[int, float] = {}
         self._handshakes: dict[int, tuple[trio.Event, list[HandshakeReply]]] = {}
         self.restarts = [0] * self.num_engines
         # While `watch_cores` runs: its nursery and callback (for cores added later).
-        self._watching: tuple[trio.Nursery, Callable[[int, str], None]] | None = None
+        self._watching: tuple[trio.Nursery, OnCoreDeath] | None = None
         self.num_blocks = 0
         self.max_model_len = config.model_config.max_model_len
 
@@ -205,6 +210,8 @@ class AsyncMPClient(CoreWatch):
                 return True
             raise EngineRecoveringError(f"{RECOVERING_MESSAGE} (engine core {engine} is "
                                         "being restarted)")
+        if engine in self.hung and isinstance(message, AddRequest):
+            raise EngineRecoveringError(f"{RECOVERING_MESSAGE} (engine core {engine} is hung)")
         try:
             return self._sender.try_send(engine, message)
         except zmq.ZMQError as exc:
@@ -278,11 +285,22 @@ class AsyncMPClient(CoreWatch):
             skip_restarting: leave out the cores being restarted (their process died and
                 they come back by themselves) instead of raising EngineRecoveringError.
 
+        `sleep` and `wake_up` of a lockstep deployment reach every core together, all or none
+        (`lockstep_sleep`).
+
         Raises:
             ValueError: a core reported the call failed.
             EngineDeadError: the engine died meanwhile.
             EngineRecoveringError: a core is being restarted (unless skipped).
         """
+        if method in lockstep_sleep.TOGETHER and self.config.parallel_config.lockstep:
+            return await lockstep_sleep.call_together(
+                partial(self._call_each, skip_restarting=skip_restarting), method, *args)
+        return await self._call_each(method, *args, skip_restarting=skip_restarting)
+
+    async def _call_each(self, method: str, *args: Any,
+                         skip_restarting: bool = False) -> list[Any]:
+        """`call_utility` on every core as it is (no lockstep agreement)."""
         call_id = next(self._call_ids)
         event, results = trio.Event(), list[Any]()
         self._calls[call_id] = (event, results)
@@ -290,7 +308,13 @@ class AsyncMPClient(CoreWatch):
                    if not (skip_restarting and engine in self.restarting)]
         try:
             for engine in targets:
-                await self.send(engine, UtilityCall(call_id, method, list(args)))
+                call = UtilityCall(call_id, method, list(args))
+                if engine in self.hung:  # it reads the call once it runs again, if ever
+                    self._sender.post(engine, call)
+                    results.append((engine, self.fault_states[engine].fault_info
+                                    or f"engine core {engine} is hung", None))
+                else:
+                    await self.send(engine, call)
             while len(results) < len(targets):
                 await event.wait()
                 event = trio.Event()
@@ -328,6 +352,7 @@ class AsyncMPClient(CoreWatch):
                 if not self._take_handshake(buffers):
                     logger.warning("dropped a malformed engine-core output frame: %s", exc)
                 continue
+            self.heard_from(outputs.engine_index)
             if outputs.utility_output is not None or outputs.fault_status is not None:
                 self._dispatch_utility(outputs)  # a dead notice: the next turn raises
                 self._record_fault_status(outputs)
@@ -344,6 +369,7 @@ class AsyncMPClient(CoreWatch):
             reply = self._handshake_decoder.decode(buffers)
         except (msgspec.MsgspecError, ValueError, TypeError):
             return False
+        self.heard_from(reply.engine_index)
         waiter = self._handshakes.get(reply.engine_index)
         if waiter is None:
             self._unexpected_handshake(reply)
@@ -367,7 +393,9 @@ class AsyncMPClient(CoreWatch):
             self.mark_dead(f"engine core {outputs.engine_index} failed: {utility.failure_message}")
             return
         waiter = self._calls.get(utility.call_id)
-        if waiter is not None:
+        # A core called hung was answered for (`_call_each`): its late answer is not counted.
+        if waiter is not None and not any(engine == outputs.engine_index
+                                          for engine, _failure, _value in waiter[1]):
             waiter[1].append((outputs.engine_index, utility.failure_message, utility.result))
             waiter[0].set()
 

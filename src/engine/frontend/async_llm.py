@@ -249,12 +249,12 @@ class AsyncLLM(AsyncRLMethods, AsyncElasticDPMethods, AsyncPoolingMethods):
         self._fail_all(EngineDeadError(self.client.dead or "an engine core died"))
         scope.cancel()
 
-    def _core_died(self, index: int, reason: str) -> None:
+    def _core_died(self, index: int, reason: str | BaseException) -> None:
         """Fail the requests of a core whose process died (it is restarted, or the engine
-        dies with it)."""
+        dies with it), or that hung (`reason` is then the error they fail with)."""
         client = self.client
         assert client is not None
-        error = EngineDeadError(reason)
+        error = reason if isinstance(reason, BaseException) else EngineDeadError(reason)
         owned = [rid for rid in self.output_processor.request_states
                  if client.engine_of(rid) in (index, None)]
         self.output_processor.fail_requests(owned, error)

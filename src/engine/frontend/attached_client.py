@@ -27,7 +27,6 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -41,6 +40,7 @@ from ringserve.engine.cluster.auth import ClusterAuth
 from ringserve.engine.cluster.wire import ClusterTopology, LoadReport
 from ringserve.engine.errors import EngineStartupError
 from ringserve.engine.frontend.core_sender import recv_frame
+from ringserve.engine.frontend.core_watch import OnCoreDeath
 from ringserve.engine.frontend.dp_client import DPLBAsyncMPClient
 from ringserve.engine.wire import EngineCoreOutputs, EngineStatus, FaultStatus, HandshakeReply
 
@@ -87,7 +87,7 @@ class AttachedMPClient(DPLBAsyncMPClient):
         # When each core was last heard from; set once every core has greeted (`_start_cores`).
         self.last_seen = [0.0] * self.num_engines
         self.load_seq = -1
-        self._on_core_death: Callable[[int, str], None] | None = None
+        self._on_core_death: OnCoreDeath | None = None
         # Handshakes of cores beyond num_engines (started by an elastic scale-up, not yet
         # routed to), by index.
         self.greetings: dict[int, HandshakeReply] = {}
@@ -187,7 +187,7 @@ class AttachedMPClient(DPLBAsyncMPClient):
 
     # -- the coordinator -----------------------------------------------------------------------
 
-    async def watch_cores(self, on_core_death: Callable[[int, str], None]) -> None:
+    async def watch_cores(self, on_core_death: OnCoreDeath) -> None:
         self._on_core_death = on_core_death
         async with trio.open_nursery() as nursery:
             if self._load_sock is not None:
@@ -234,7 +234,10 @@ class AttachedMPClient(DPLBAsyncMPClient):
 
     # -- watching cores ------------------------------------------------------------------------
 
-    async def _watch_core(self, index: int, on_core_death: Callable[[int, str], None],
+    def watches_silence(self, index: int) -> bool:
+        return index not in self.topology.remote_engines  # those are watched by their link
+
+    async def _watch_core(self, index: int, on_core_death: OnCoreDeath,
                           scope: trio.CancelScope) -> None:
         remote = index in self.topology.remote_engines
         # Each core's fault state is made when it joins: another one at this index is a

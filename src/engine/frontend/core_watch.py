@@ -7,6 +7,15 @@ until the new process's handshake arrives, and the new process takes over the ol
 routing id. With fault tolerance off, when the restart fails, or when the core is
 crash-looping, the client is dead. A core stopped on purpose (`retiring`: it left the
 deployment by elastic scaling) is no fault.
+
+With a hang timeout (`ringserve.engine.core.faults.hang_timeout_s`: `--execute-model-timeout-s`,
+or a lockstep deployment's) a core that sends nothing for that long (an idle core beats) is
+hung: SIGSTOPped, or stuck. Its process is alive, so nothing else would end its streams. Its
+requests fail at once with an engine fault, as a faulted core's do; it is UNHEALTHY; its
+pending utility calls fail, and new ones are answered for it at once while it is silent; and
+it is sent `CORE_HUNG_METHOD`, which it takes as an engine fault once it runs again (its late
+outputs are for requests the frontend no longer tracks, and are dropped). It is then
+unhealthy by its own report and waits for `retry`. With fault tolerance off the client is dead.
 """
 
 from __future__ import annotations
@@ -21,14 +30,25 @@ import trio
 
 from ringserve import envs
 from ringserve.config import EngineConfig
-from ringserve.engine.errors import RECOVERING_MESSAGE, EngineRecoveringError
+from ringserve.engine.core.faults import hang_timeout_s
+from ringserve.engine.errors import RECOVERING_MESSAGE, EngineGenerateError, EngineRecoveringError
 from ringserve.engine.frontend.core_sender import CoreSender
 from ringserve.engine.frontend.fault_tolerance import EngineFaultState, RestartBudget
 from ringserve.engine.frontend.mp_client import CoreProcess
-from ringserve.engine.wire import EngineStatus, FaultStatus, HandshakeReply
+from ringserve.engine.wire import (
+    CORE_HUNG_METHOD,
+    EngineStatus,
+    FaultStatus,
+    HandshakeReply,
+    UtilityCall,
+)
 from ringserve.shm import cleanup_stale
 
 logger = logging.getLogger(__name__)
+
+# Called with a core's index and what happened to it: a reason (its requests fail with
+# EngineDeadError) or the error its requests fail with.
+OnCoreDeath = Callable[[int, str | BaseException], None]
 
 
 class CoreWatch:
@@ -38,6 +58,8 @@ class CoreWatch:
     processes: list[CoreProcess]
     fault_states: list[EngineFaultState]
     restarting: set[int]
+    hung: set[int]  # silent for the hang timeout, not heard from since
+    heard_at: dict[int, float]  # when each core was last heard from (time.monotonic)
     restarts: list[int]
     dead: str | None
     num_engines: int
@@ -50,7 +72,7 @@ class CoreWatch:
     _restart_budgets: list[RestartBudget]
     _calls: dict[int, tuple[trio.Event, list[Any]]]
     _handshakes: dict[int, tuple[trio.Event, list[HandshakeReply]]]
-    _watching: tuple[trio.Nursery, Callable[[int, str], None]] | None
+    _watching: tuple[trio.Nursery, OnCoreDeath] | None
 
     mark_dead: Callable[[str], None]  # AsyncMPClient's
 
@@ -59,7 +81,7 @@ class CoreWatch:
         """Fault tolerance is on: a core whose process dies is restarted."""
         return self.config.fault_tolerance_config.enable_fault_tolerance
 
-    async def watch_cores(self, on_core_death: Callable[[int, str], None]) -> None:
+    async def watch_cores(self, on_core_death: OnCoreDeath) -> None:
         """Watch the core processes; return once the engine is dead (marked dead).
 
         A core process that exits while the client is open is a fault. With fault tolerance
@@ -86,8 +108,80 @@ class CoreWatch:
         if self._watching is not None:
             nursery, on_core_death = self._watching
             nursery.start_soon(self._watch_core, index, on_core_death, nursery.cancel_scope)
+            if hang_timeout_s(self.config) is not None and self.watches_silence(index):
+                nursery.start_soon(self._watch_silence, index, on_core_death,
+                                   nursery.cancel_scope)
 
-    async def _watch_core(self, index: int, on_core_death: Callable[[int, str], None],
+    def watches_silence(self, index: int) -> bool:
+        """Whether core `index` is watched for hangs here (a core on another host is watched
+        by its link instead)."""
+        return True
+
+    def heard_from(self, index: int) -> None:
+        """Core `index` sent something: it is not hung (any more)."""
+        self.heard_at[index] = time.monotonic()
+        self.hung.discard(index)
+
+    async def _watch_silence(self, index: int, on_core_death: OnCoreDeath,
+                             scope: trio.CancelScope) -> None:
+        """Call core `index` hung once it has sent nothing for the hang timeout (see the
+        module docstring); until it leaves the deployment."""
+        limit = hang_timeout_s(self.config)
+        assert limit is not None  # watch_core checked it
+        tick = min(0.5, limit / 4)
+        state = self.fault_states[index]
+        self.heard_at[index] = time.monotonic()
+        while (index < self.num_engines and self.fault_states[index] is state
+               and not self._closed and self.dead is None):
+            now = time.monotonic()
+            silent = now - self.heard_at.get(index, now)
+            if index in self.restarting:
+                self.heard_at[index] = now  # its successor is watched from its handshake
+            elif index not in self.hung and silent > limit:
+                self._core_hung(index, f"engine core {index} sent nothing for {silent:.1f} s "
+                                f"(hang timeout {limit:g} s): it is hung", on_core_death, scope)
+            # A watchdog's tick (a few a second), as for a core on another host: silence is
+            # the absence of a wake-up, so there is nothing else to block on.
+            await trio.sleep(tick)
+            if time.monotonic() - now > 2 * tick:
+                # This frontend's own event loop stalled (blocking work on it): the core's
+                # beats may be waiting unread in the socket, so its silence counts anew.
+                self.heard_at[index] = max(self.heard_at.get(index, 0.0), time.monotonic())
+
+    def _core_hung(self, index: int, fault: str, on_core_death: OnCoreDeath,
+                   scope: trio.CancelScope) -> None:
+        """Fail a hung core's requests and pending calls, mark it UNHEALTHY and send it the
+        hung notice (with fault tolerance off: the client is dead)."""
+        logger.error("%s", fault)
+        if not self._restarts_cores:
+            self.mark_dead(fault)
+            on_core_death(index, fault)
+            scope.cancel()
+            return
+        self.hung.add(index)
+        self._announce_lockstep_fault(fault)
+        state = self.fault_states[index]
+        state.status = str(EngineStatus.UNHEALTHY)
+        state.fault_info = fault
+        state.ft_error = None
+        self._fail_calls(index, fault)
+        self._sender.post(index, UtilityCall(0, CORE_HUNG_METHOD, [fault]), keep=True)
+        on_core_death(index, EngineGenerateError(f"engine fault: {fault}"))
+
+    def _fail_calls(self, index: int, failure: str) -> None:
+        """Answer core `index`'s part of every pending utility call with `failure`."""
+        for event, results in self._calls.values():
+            if not any(engine == index for engine, _failure, _value in results):
+                results.append((index, failure, None))
+                event.set()
+
+    def _announce_lockstep_fault(self, fault: str) -> None:
+        if self._store is not None:  # the other cores of the lockstep cannot step alone
+            from ringserve.engine.core import dp_wave
+
+            dp_wave.announce_fault(self._store, dp_wave.current_epoch(self._store), fault)
+
+    async def _watch_core(self, index: int, on_core_death: OnCoreDeath,
                           scope: trio.CancelScope) -> None:
         while index < len(self.processes):  # else it left (elastic scale-down)
             proc = self.processes[index]
@@ -133,19 +227,14 @@ class CoreWatch:
     def _core_lost(self, index: int, fault: str) -> None:
         """Mark a core UNHEALTHY while it restarts and fail its pending utility calls."""
         self.restarting.add(index)
-        if self._store is not None:  # the other cores of the lockstep cannot step alone
-            from ringserve.engine.core import dp_wave
-
-            dp_wave.announce_fault(self._store, dp_wave.current_epoch(self._store), fault)
+        self.hung.discard(index)
+        self._announce_lockstep_fault(fault)
         state = self.fault_states[index]
         state.status = str(EngineStatus.UNHEALTHY)
         state.fault_info = fault
         state.ft_error = None
         self._sender.fail(index, EngineRecoveringError(f"{RECOVERING_MESSAGE} ({fault})"))
-        for event, results in self._calls.values():
-            if not any(engine == index for engine, _failure, _value in results):
-                results.append((index, fault, None))
-                event.set()
+        self._fail_calls(index, fault)
 
     async def _restart_core(self, index: int) -> str | None:
         """Start a new process for core `index`; None once it is ready, else why not."""

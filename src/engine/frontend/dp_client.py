@@ -170,6 +170,7 @@ class DPLBAsyncMPClient(AsyncMPClient):
             del per_core[count:]
         self._sender.resize(count, error)
         self.restarting -= set(range(count, self.num_engines))
+        self.hung -= set(range(count, self.num_engines))
         self.num_engines = count
         self.routable = min(self.routable, count)
         return gone
