@@ -119,6 +119,39 @@ async def test_bad_constraints_are_400s(tiny_llama_dir: Path) -> None:
                     assert error_of(r, 400)["param"] == param, (fields, r.text)
 
 
+async def test_guidance_backend_takes_the_current_structural_tag(
+        tiny_llama_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 45 item 6: xgrammar's `{"type": "structural_tag", "format": ...}` under
+    `--structured-outputs-config '{"backend": "guidance"}'`; a format llguidance cannot
+    enforce exactly is a 400 naming it."""
+    call = {"type": "tag", "begin": "<f=get_weather>", "end": "</f>",
+            "content": {"type": "json_schema", "json_schema": SCHEMA}}
+    fmt = {"type": "triggered_tags", "triggers": ["<f="], "tags": [call]}
+    token = {"type": "sequence", "elements": [call, {"type": "token", "token": 5}]}
+    routes = (("/v1/chat/completions", {"messages": USER}),
+              ("/v1/completions", {"prompt": "Weather:"}))
+    async with serving(tiny_llama_dir, structured_outputs_config={"backend": "guidance"}) as s:
+        for route, body in routes:
+            for stream in (False, True):
+                r = await s.http.post(route, json={**body, "stream": stream,
+                                                   "structured_outputs": {"structural_tag": {
+                                                       "type": "structural_tag",
+                                                       "format": token}}})
+                error = error_of(r, 400)
+                assert error["param"] == "structured_outputs.structural_tag", error
+                assert ("format.elements[1]: token is not supported by the guidance backend"
+                        in error["message"]), error
+        run = script(monkeypatch, s.engine, ["ok"])  # past the engine's own check
+        for route, body in routes:
+            for stream in (False, True):
+                r = await s.http.post(route, json={
+                    **body, "stream": stream, "response_format": {"type": "structural_tag",
+                                                                  "format": fmt}})
+                assert r.status_code == 200, r.text
+                tag = run.params[-1].structured_outputs
+                assert tag is not None and json.loads(tag.spec)["format"] == fmt
+
+
 BAD_TOOLS: list[tuple[dict[str, Any], str, str]] = [
     ({"tool_choice": "required"}, "tool_choice", "only with tools"),
     ({"tool_choice": {"type": "function", "function": {"name": "f"}}}, "tool_choice",

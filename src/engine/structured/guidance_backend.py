@@ -2,8 +2,9 @@
 `llguidance.LLMatcher` over an `LLTokenizer` built once from the model's tokenizer.
 
 `guidance_grammar` turns a `StructuredOutputsParams` into llguidance's grammar text without a
-tokenizer; `validation.py` checks it with `LLMatcher.validate_grammar`, and
-`GuidanceBackend.compile` builds it for the tokenizer.
+tokenizer (a structural tag, in either form, through `guidance_structural_tag.py`);
+`validation.py` checks it with `LLMatcher.validate_grammar`, and `GuidanceBackend.compile`
+builds it for the tokenizer.
 
 Strict JSON: llguidance's JSON strings refuse raw U+0000-U+001F and it matches a schema
 `pattern` against the decoded string, emitting quotes, backslashes and control characters
@@ -27,6 +28,7 @@ import torch
 if TYPE_CHECKING:
     from llguidance._lib import JsonCompileOptions
 
+from ringserve.engine.structured.guidance_structural_tag import structural_tag_grammar
 from ringserve.engine.structured.schema import load_schema
 from ringserve.sampling_params import StructuredOutputsParams
 
@@ -57,35 +59,6 @@ def _json_options(params: StructuredOutputsParams) -> JsonCompileOptions:
     return options
 
 
-def _structural_tag_grammar(spec: str) -> str:
-    try:
-        tag = json.loads(spec)
-    except ValueError as exc:
-        raise ValueError(f"structured_outputs.structural_tag: invalid structural tag: not JSON: "
-                         f"{exc}") from None
-    if not isinstance(tag, dict) or "structures" not in tag:
-        raise ValueError("structured_outputs.structural_tag: the guidance backend supports only "
-                         "the {\"structures\": [...], \"triggers\": [...]} form; use the "
-                         "xgrammar backend for this structural tag")
-    try:
-        triggers: list[str] = tag["triggers"]
-        tags = []
-        for s in tag["structures"]:
-            trigger = next((t for t in triggers if s["begin"].startswith(t)), None)
-            if trigger is None:
-                raise ValueError(f"no trigger in {triggers} starts {s['begin']!r}")
-            schema = s["schema"]
-            tags.append(llguidance.StructTag(trigger=trigger, begin=s["begin"],
-                                             grammar=schema if isinstance(schema, dict)
-                                             else json.dumps(schema), end=s["end"]))
-        if not tags:
-            raise ValueError("no structures")
-        return llguidance.StructTag.to_grammar(tags)
-    except (ValueError, TypeError, KeyError, AssertionError) as exc:
-        raise ValueError(f"structured_outputs.structural_tag: invalid structural tag: "
-                         f"{exc}") from None
-
-
 def guidance_grammar(params: StructuredOutputsParams) -> str:
     """The llguidance grammar of a constraint (not yet validated: see `validate`).
 
@@ -102,7 +75,7 @@ def guidance_grammar(params: StructuredOutputsParams) -> str:
         except ValueError as exc:
             raise ValueError(f"structured_outputs.json: invalid JSON schema: {exc}") from None
     if kind == "structural_tag":
-        return _structural_tag_grammar(params.spec)
+        return structural_tag_grammar(params.spec)
     if kind == "regex":
         return llguidance.LLMatcher.grammar_from_regex(params.spec)
     if kind == "choice":

@@ -298,10 +298,8 @@ def test_backend_specific_refusals(tiny_llama_dir: Path) -> None:
     with pytest.raises(ValueError, match=r"structured_outputs\.whitespace_pattern: .*xgrammar"):
         check_structured_outputs(SO(json_object=True, whitespace_pattern="[ ]?"))
     check_structured_outputs(SO(json_object=True, whitespace_pattern="[ ]?"), "guidance")
-    tag = json.dumps({"type": "structural_tag", "format": {
-        "type": "tag", "begin": "<a>", "content": {"type": "json_schema",
-                                                    "json_schema": {"type": "integer"}},
-        "end": "</a>"}})
+    tag = _current_form({"type": "tag", "begin": "<a>", "content": {"type": "token", "token": 5},
+                         "end": "</a>"})
     check_structured_outputs(SO(structural_tag=tag), "xgrammar")
     with pytest.raises(ValueError, match=r"structured_outputs\.structural_tag: .*xgrammar"):
         check_structured_outputs(SO(structural_tag=tag), "guidance")
@@ -322,6 +320,151 @@ def test_legacy_structural_tag(name: str, tiny_llama_dir: Path) -> None:
     bad = be.matcher(be.compile(SO(structural_tag=tag)))
     toks = tokenizer(tiny_llama_dir).encode('<f=x>{"b"', add_special_tokens=False)
     assert not all(bad.accept_token(t) for t in toks)
+
+
+# -- the current structural-tag form (issue 45 item 6) -------------------------------------------
+
+def _current_form(fmt: dict[str, Any]) -> str:
+    return json.dumps({"type": "structural_tag", "format": fmt})
+
+
+def _accepts(be: Any, compiled: Any, model_dir: Path, text: str) -> bool:
+    """Whether the backend's matcher takes `text` (as the tokenizer splits it), then EOS."""
+    matcher = be.matcher(compiled)
+    tok = tokenizer(model_dir)
+    ids = [*tok.encode(text, add_special_tokens=False), tok.eos_token_id]
+    return all(matcher.accept_token(t) for t in ids) and matcher.is_terminated()
+
+
+_ARGS = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"],
+         "additionalProperties": False}
+_CALL = {"type": "tag", "begin": "<f=weather>", "end": "</f>",
+         "content": {"type": "json_schema", "json_schema": _ARGS}}
+_NOTE = {"type": "tag", "begin": "<f=note>", "end": "</f>",
+         "content": {"type": "any_text", "excludes": ["\n"]}}
+_A, _B = {"type": "const_string", "value": "a"}, {"type": "const_string", "value": "b"}
+CURRENT_FORM: list[tuple[str, dict[str, Any], list[str], list[str]]] = [
+    # (type, format, texts it matches, texts it does not)
+    ("const_string", {"type": "const_string", "value": "Hé\"!"}, ['Hé"!'], ["Hé", 'Hé"!!']),
+    # read as xgrammar reads it: `.` takes a newline, `\w` and `\d` are ASCII
+    ("regex", {"type": "regex", "pattern": r"^\w+/\d.$"}, ["ab/1\n", "c_/9x"],
+     ["é/1x", "ab/٣x", "ab/1"]),
+    ("any_text", {"type": "any_text", "excludes": ["no"], "max_chars": 6},
+     ["", "yes!", "n o"], ["nope", "1234567"]),
+    ("json_schema", {"type": "json_schema", "json_schema": _ARGS},
+     ['{"city": "Paris"}', '{ "city":"" }'], ['{"city": 1}', ' {"city": "P"}', '{}']),
+    ("sequence", {"type": "sequence", "elements": [{"type": "regex", "pattern": "a+"},
+                                                    {"type": "const_string", "value": "ab"}]},
+     ["aab", "aaaab"], ["ab", "aabb"]),  # llguidance's greedy lexer alone would refuse aab
+    ("or", {"type": "or", "elements": [_CALL, _NOTE]},
+     ['<f=weather>{"city": "Oslo"}</f>', "<f=note>hi</f>"], ["<f=note>a\nb</f>", ""]),
+    ("optional", {"type": "optional", "content": _A}, ["", "a"], ["aa"]),
+    ("star", {"type": "star", "content": _CALL},
+     ["", '<f=weather>{"city": "A"}</f><f=weather>{"city": "B"}</f>'],
+     ['<f=weather>{"city": "A"}</f>,']),
+    ("plus", {"type": "plus", "content": _B}, ["b", "bbb"], [""]),
+    ("repeat", {"type": "repeat", "min": 2, "max": 3, "content": _A}, ["aa", "aaa"],
+     ["a", "aaaa"]),
+    ("tag", {"type": "tag", "begin": "<think>", "content": {"type": "any_text"},
+             "end": ["</think>", "</t>"]},
+     ["<think>a</t>", "<think>x</think>", "<think></t>"], ["<think>a</think>b</think>"]),
+    ("tag-ends-excluded-below", {"type": "tag", "begin": "(", "end": ")", "content": {
+        "type": "sequence", "elements": [{"type": "any_text"}, _B]}},
+     ["(ab)", "(b)"], ["(a)b)", "(ab)b)"]),  # the nearest tag's ends, at any depth
+    ("triggered_tags", {"type": "triggered_tags", "triggers": ["<f="], "tags": [_CALL, _NOTE],
+                        "excludes": ["!!"]},
+     ["", "hi <f", 'Sure. <f=weather>{"city": "Rome"}</f> and <f=note>x</f> done'],
+     ["<f=other>", '<f=weather>{"city": 1}</f>', "hey!!"]),
+    ("tags_with_separator", {"type": "tags_with_separator", "tags": [_CALL, _NOTE],
+                             "separator": ",", "at_least_one": True},
+     ["<f=note>a</f>", '<f=note>a</f>,<f=weather>{"city": "Oslo"}</f>'],
+     ["", "<f=note>a</f>,", "x<f=note>a</f>"]),
+    ("dispatch", {"type": "dispatch", "rules": [["<n>", {"type": "json_schema",
+                                                          "json_schema": {"type": "integer"}}],
+                                                 ["<s>", {"type": "const_string", "value": "!"}]],
+                  "loop": False},
+     ["plain", "x<n>12", "x<s>!"], ["x<n>12 y", "x<s>?"]),
+]
+
+
+@pytest.mark.parametrize(("kind", "fmt", "good", "bad"), CURRENT_FORM,
+                         ids=[case[0] for case in CURRENT_FORM])
+def test_current_structural_tag_form(kind: str, fmt: dict[str, Any], good: list[str],
+                                     bad: list[str], tiny_llama_dir: Path) -> None:
+    tag = _current_form(fmt)
+    check_structured_outputs(SO(structural_tag=tag), "guidance")
+    for name in BACKENDS:  # xgrammar, which defines the form, gives the same verdicts
+        be = backend(name, tiny_llama_dir)
+        compiled = be.compile(SO(structural_tag=tag))
+        for text in good:
+            assert _accepts(be, compiled, tiny_llama_dir, text), (name, text)
+        for text in bad:
+            assert not _accepts(be, compiled, tiny_llama_dir, text), (name, text)
+
+
+def test_current_structural_tag_generation(tiny_llama_dir: Path) -> None:
+    """Random allowed tokens under one forced tool call: a think block, then exactly one call
+    whose arguments validate."""
+    fmt = {"type": "sequence", "elements": [
+        {"type": "tag", "begin": "<think>", "content": {"type": "any_text", "max_chars": 12},
+         "end": "</think>"},
+        {"type": "triggered_tags", "triggers": ["<f="], "tags": [_CALL],
+         "at_least_one": True, "stop_after_first": True}]}
+    be = backend("guidance", tiny_llama_dir)
+    compiled = be.compile(SO(structural_tag=_current_form(fmt)))
+    for seed in range(3):
+        text = generate(be, compiled, tiny_llama_dir, random.Random(seed), free_steps=4)
+        m = re.fullmatch(r"<think>((?s:.){0,12})</think><f=weather>(.*)</f>", text, re.S)
+        assert m is not None and "</think>" not in m.group(1), text
+        jsonschema.validate(json.loads(m.group(2)), _ARGS)
+
+
+@pytest.mark.parametrize("fmt", [
+    {"type": "token", "token": 5},
+    {"type": "exclude_token", "exclude_tokens": [5]},
+    {"type": "any_tokens"},
+    {"type": "token_triggered_tags", "trigger_tokens": [5], "tags": []},
+    {"type": "token_dispatch", "rules": []},
+    {"type": "qwen_xml_parameter", "json_schema": _ARGS},
+    {"type": "json_schema", "json_schema": _ARGS, "style": "qwen_xml"},
+    {"type": "json_schema", "json_schema": _ARGS, "any_order": True},
+    {"type": "any_text", "max_tokens": 8},
+    {"type": "grammar", "grammar": 'root ::= "a" "bc" | "ab" "d"'},  # llguidance: not "abc"
+], ids=["token", "exclude_token", "any_tokens", "token_triggered_tags", "token_dispatch",
+        "qwen_xml_parameter", "style", "any_order", "max_tokens", "grammar"])
+def test_unsupported_structural_tag_types_are_named(fmt: dict[str, Any],
+                                                    tiny_llama_dir: Path) -> None:
+    tag = _current_form({"type": "sequence", "elements": [_A, fmt]})
+    kind = fmt["type"] if fmt["type"] != "json_schema" or "style" in fmt else "any_order"
+    match = (rf"structured_outputs\.structural_tag: format\.elements\[1\]: .*{kind}.* is not "
+             r"supported by the guidance backend .*use the xgrammar backend")
+    with pytest.raises(ValueError, match=match):
+        check_structured_outputs(SO(structural_tag=tag), "guidance")
+    with pytest.raises(ValueError, match=match):
+        backend("guidance", tiny_llama_dir).compile(SO(structural_tag=tag))
+
+
+@pytest.mark.parametrize(("fmt", "text"), [
+    # llguidance's lexer would read 125 as one number and never end it at 12
+    ({"type": "sequence", "elements": [{"type": "json_schema",
+                                        "json_schema": {"type": "integer"}},
+                                       {"type": "const_string", "value": "5"}]}, "125"),
+    # alternatives whose first lexemes compete: it would read a12 as "a1" then fail on 2
+    ({"type": "or", "elements": [
+        {"type": "sequence", "elements": [{"type": "const_string", "value": "a"},
+                                          {"type": "json_schema",
+                                           "json_schema": {"type": "integer"}}]},
+        {"type": "sequence", "elements": [{"type": "const_string", "value": "a1"},
+                                          {"type": "json_schema",
+                                           "json_schema": {"type": "string"}}]}]}, "a12"),
+], ids=["json-number", "alternatives"])
+def test_inexact_structural_tag_compositions_are_refused(fmt: dict[str, Any], text: str,
+                                                        tiny_llama_dir: Path) -> None:
+    tag = _current_form(fmt)
+    xg = backend("xgrammar", tiny_llama_dir)
+    assert _accepts(xg, xg.compile(SO(structural_tag=tag)), tiny_llama_dir, text)
+    with pytest.raises(ValueError, match=r"structured_outputs\.structural_tag: .*greedy lexer"):
+        check_structured_outputs(SO(structural_tag=tag), "guidance")
 
 
 def test_bitmask_layout_matches_torch_reference(tiny_llama_dir: Path) -> None:
