@@ -33,6 +33,8 @@ def _cuda_available() -> bool:
 # promises (named after it). `CI=true scripts/test` runs them after the default selection, in
 # one process; run them alone with `scripts/test -m long`.
 LONG = {
+    "tests/gpu/spec_decode/test_eagle.py::test_greedy_equal_with_eagle_heads_at_tensor_parallel_2":
+        "test_eagle.py::test_greedy_equal_with_an_eagle_head[llama] (TP 1)",
     "tests/gpu/spec_decode/test_eagle.py::test_greedy_equal_with_an_eagle_head[gemma3]":
         "test_eagle.py::test_greedy_equal_with_an_eagle_head[llama]",
     "tests/gpu/spec_decode/test_eagle.py::test_greedy_equal_with_an_eagle_head[qwen3moe]":

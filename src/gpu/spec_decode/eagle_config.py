@@ -155,6 +155,10 @@ def _aux_layer_ids(method: str, hf: dict[str, Any], num_layers: int,
     if method != "eagle3":
         return ()
     eagle = hf.get("eagle_config") or {}
+    if isinstance(eagle, dict) and eagle.get("use_aux_hidden_state") is False:
+        raise ValueError(f"{KEY}: the EAGLE-3 head in {directory} reads no auxiliary hidden "
+                         f"states (eagle_config.use_aux_hidden_state: false), which ringserve "
+                         f"does not support")
     given = eagle.get("eagle_aux_hidden_state_layer_ids") if isinstance(eagle, dict) else None
     ids = tuple(int(i) for i in given) if given else default_aux_layer_ids(num_layers)
     if len(ids) != 3 or any(not 0 <= i < num_layers for i in ids):

@@ -85,6 +85,7 @@ def _edit(head: Path, **changes: Any) -> None:
     ({"eagle_config": {"eagle_aux_hidden_state_layer_ids": [0, 1, 5]}}, "target layers"),
     ({"eagle_config": {}}, r"default layers \(2, L // 2, L - 3\)"),
     ({"architectures": ["LlamaForCausalLM"]}, "EAGLE-3 head names an Eagle3"),
+    ({"eagle_config": {"use_aux_hidden_state": False}}, "use_aux_hidden_state: false"),
 ])
 def test_head_that_does_not_fit_names_the_reason(changes: dict[str, Any], needle: str,
                                                  target: ModelConfig, target_dir: Path,
@@ -232,3 +233,26 @@ def test_greedy_equal_with_an_eagle_head(family: str, tmp_path: Path) -> None:
         assert mode == "off" or drafts > 0, f"{mode}: no draft was verified"
     assert runs["eagle3"] == runs["off"]
     assert runs["eagle"] == runs["off"]
+
+
+@pytest.mark.slow
+def test_greedy_equal_with_eagle_heads_at_tensor_parallel_2(tmp_path: Path) -> None:
+    """Both head types over a TP = 2 target (the head runs whole on each rank; the target's
+    vocabulary-parallel embedding and LM head are shared)."""
+    from ringserve.engine.frontend.llm import LLM
+
+    model = tiny_model("qwen2")
+    prompts = ["a b c d e f g h i j k l m n o p", "one two three four five " * 4]
+    greedy = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    engine: dict[str, Any] = {"device": "cpu", "kv_cache_memory": 16 << 20, "max_num_seqs": 8,
+                              "tensor_parallel_size": 2}
+    pinned = {"num_speculative_tokens_per_batch_size": [[1, 8, K]]}
+    runs: dict[str, list[list[int]]] = {}
+    for mode in ("off", "eagle3", "eagle"):
+        args = dict(engine)
+        if mode != "off":
+            head = tiny_eagle_head(model, tmp_path / mode, method=mode, aux_layer_ids=AUX)
+            args["speculative_config"] = _spec(mode, head, **pinned)
+        with LLM(str(model), **args) as llm:
+            runs[mode] = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, greedy)]
+    assert runs["eagle3"] == runs["off"] and runs["eagle"] == runs["off"]
