@@ -66,9 +66,9 @@ def _steps_by_path(runner: ModelRunner) -> dict[str, set[int]]:
     assert capture is not None
     run, forward = capture.run_keeping, runner.model.forward
 
-    def captured(inputs, abort_flag, layers):  # type: ignore[no-untyped-def]
+    def captured(inputs, abort_flag, layers, row_slots=None):  # type: ignore[no-untyped-def]
         seen["captured"].add(len(inputs.req_ids))
-        return run(inputs, abort_flag, layers)
+        return run(inputs, abort_flag, layers, row_slots)
 
     def eager(input_ids, positions, caches, meta):  # type: ignore[no-untyped-def]
         if meta.max_query_len == 1:
@@ -177,11 +177,11 @@ def test_a_raised_abort_flag_ends_the_step_and_its_rerun_is_unchanged() -> None:
     up, down = ctypes.c_ubyte(1), ctypes.c_ubyte(0)
     ended = []
 
-    def ending(inputs, abort_flag, layers):  # type: ignore[no-untyped-def]
+    def ending(inputs, abort_flag, layers, row_slots=None):  # type: ignore[no-untyped-def]
         with pytest.raises(StepAborted):
-            run(inputs, ctypes.addressof(up), layers)
+            run(inputs, ctypes.addressof(up), layers, row_slots)
         ended.append(len(inputs.req_ids))
-        return run(inputs, ctypes.addressof(down), layers)
+        return run(inputs, ctypes.addressof(down), layers, row_slots)
 
     capture.run_keeping = ending  # type: ignore[method-assign]
     got = _mix(runner)
