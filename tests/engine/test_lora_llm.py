@@ -89,6 +89,12 @@ def test_mixed_batch_of_three_adapters_and_the_base_matches_peft(
     assert info and all(m.labels["max_lora"] == "3" for m in info)
     assert any(set(m.labels["running_lora_adapters"].split(",")) == {"a", "b", "c"}
                for m in info), [m.labels for m in info]
+    # request_success counts each request under its adapter's name (the base's under its own).
+    success = {m.labels["model_name"]: m.value for m in llm.get_metrics()
+               if m.name == "ringserve:request_success" and m.labels["finished_reason"] == "length"}
+    assert all(success.get(name, 0) >= len(PROMPTS) for name in ("a", "b", "c")), success
+    assert any(name not in ("a", "b", "c") and value >= len(PROMPTS)
+               for name, value in success.items()), success
 
 
 def test_the_prefix_cache_is_kept_apart_per_adapter(

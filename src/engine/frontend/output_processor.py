@@ -63,6 +63,8 @@ class RequestState:
         self.logprobs = LogprobsAccumulator(tokenizer, params.logprobs, params.prompt_logprobs)
         self.metrics = RequestMetrics(arrival_time=request.arrival_time)
         self.stats = RequestStateStats.from_wall_arrival(request.arrival_time)
+        lora = request.lora_request
+        self.lora_name = lora.lora_name if lora is not None else None
         self.max_tokens_param = params.max_tokens
         self.n_param = parent.params.n if parent is not None else params.n
         self.num_cached_tokens = 0
@@ -358,7 +360,7 @@ class OutputProcessor:
                 if iteration_stats is not None and state.finish_reason is not None:
                     iteration_stats.update_from_finished_request(
                         state.finish_reason, len(state.prompt_token_ids), state.max_tokens_param,
-                        state.n_param, state.stats)
+                        state.n_param, state.stats, state.lora_name)
                 self._forget(state)
                 if state.queue is not None:
                     state.queue.put(pooled)
@@ -370,7 +372,7 @@ class OutputProcessor:
                 if iteration_stats is not None and state.finish_reason is not None:
                     iteration_stats.update_from_finished_request(
                         state.finish_reason, len(state.prompt_token_ids), state.max_tokens_param,
-                        state.n_param, state.stats)
+                        state.n_param, state.stats, state.lora_name)
                 self._forget(state)
             if request_output is None:
                 continue

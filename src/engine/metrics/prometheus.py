@@ -385,7 +385,10 @@ class PrometheusStatLogger:
         _observe_all(child("inter_token_latency_seconds", engine_idx),
                      stats.inter_token_latencies_iter)
         for done in stats.finished_requests:
-            child("request_success", engine_idx, str(done.finish_reason)).inc()
+            # A request under an adapter counts under the adapter's name (issue 42, item 5).
+            self._families["request_success"].labels(
+                done.lora_name or self._model_name, str(engine_idx),
+                str(done.finish_reason)).inc()
             child("e2e_request_latency_seconds", engine_idx).observe(done.e2e_latency)
             child("request_queue_time_seconds", engine_idx).observe(done.queued_time)
             child("request_inference_time_seconds", engine_idx).observe(done.inference_time)

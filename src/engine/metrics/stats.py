@@ -69,6 +69,7 @@ class FinishedRequestStats:
     decode_time: float
     inference_time: float
     mean_time_per_output_token: float
+    lora_name: str | None = None  # the adapter it ran under (`--enable-lora`), None: the base
 
 
 @dataclass(slots=True)
@@ -135,8 +136,9 @@ class IterationStats:
         max_tokens_param: int | None,
         n_param: int,
         req_stats: RequestStateStats,
+        lora_name: str | None = None,
     ) -> None:
-        """Record a request that ended in this batch."""
+        """Record a request that ended in this batch (`lora_name`: the adapter it ran under)."""
         e2e = max(0.0, self.iteration_timestamp - req_stats.arrival_time)
         scheduled = req_stats.scheduled_ts
         first, last = req_stats.first_token_ts, req_stats.last_token_ts
@@ -158,4 +160,5 @@ class IterationStats:
             decode_time=max(0.0, decode),
             inference_time=max(0.0, inference),
             mean_time_per_output_token=max(0.0, tpot),
+            lora_name=lora_name,
         ))
