@@ -5,17 +5,21 @@ multiply, `ringserve.gpu.lora.layers`), or empty where the slot's adapter leaves
 projection alone. The step adds each decode's own slot's delta after the base product, so a
 decode step with LoRA rows stays captured; base rows are untouched.
 
-`CaptureTables` rebuilds the tables when the slots changed (`LoRASlots.version`) and hands
-them to `DecodeCapture.set_lora`; the model runner calls it before each captured step that
-has LoRA rows.
+`CaptureTables.point` rebuilds the tables when the slots changed (`LoRASlots.version`) and
+hands them to a capture that does not have them yet (`DecodeCapture.set_lora`); the LoRA
+manager calls it for each captured step that has LoRA rows (`LoRAManager.capture_rows`).
 """
 
 from __future__ import annotations
 
 import ctypes
+from typing import TYPE_CHECKING
 
 from ringserve.gpu.lora.layers import LoRASlots
 from ringserve.gpu.lora.weights import TARGETS
+
+if TYPE_CHECKING:
+    from ringserve.gpu.runner.decode_capture import DecodeCapture
 
 _i64 = ctypes.c_int64
 
@@ -54,7 +58,8 @@ def lora_tables(slots: LoRASlots, num_layers: int) -> tuple[list[list[int | None
                 keep.append(delta)
                 used = True
             row.append(ctypes.addressof(entries) if used else None)
-            keep.append(entries)
+            if used:
+                keep.append(entries)
         tables.append(row)
     return tables, keep
 
@@ -66,10 +71,12 @@ class CaptureTables:
         self._version = -1
         self._tables: tuple[list[list[int | None]], object] | None = None
 
-    def current(self, slots: LoRASlots, num_layers: int) -> tuple[list[list[int | None]],
-                                                                  object]:
-        """(tables, keep-alive) as `lora_tables` gives them for the slots now."""
+    def point(self, capture: DecodeCapture, slots: LoRASlots) -> None:
+        """Give `capture` the tables of the slots as they are now (nothing to do when it has
+        them: same slots' version; a capture rebuilt after a weight update has none)."""
+        if capture.lora_version == slots.version:
+            return
         if self._tables is None or self._version != slots.version:
-            self._tables = lora_tables(slots, num_layers)
+            self._tables = lora_tables(slots, capture.num_layers)
             self._version = slots.version
-        return self._tables
+        capture.set_lora(*self._tables, slots.version)

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import logging
 from collections import OrderedDict
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -28,6 +28,9 @@ from ringserve.gpu.lora.layers import LoRABatch, LoRASlots, install_lora
 from ringserve.gpu.lora.weights import LoRAAdapter, load_adapter
 from ringserve.gpu.wire import SchedulerOutput
 from ringserve.lora_request import LoRARequest
+
+if TYPE_CHECKING:
+    from ringserve.gpu.runner.decode_capture import DecodeCapture
 
 __all__ = ["LoRAManager"]
 
@@ -111,6 +114,14 @@ class LoRAManager:
             rows = np.repeat(slots, num_scheduled.astype(np.int64))
             self.batch.set(torch.from_numpy(rows))  # `set` moves what it needs to the device
         return errors
+
+    def capture_rows(self, capture: DecodeCapture) -> np.ndarray | None:
+        """The slot of each row of the step `prepare` set (int64, -1 for a base row) for the
+        captured decode step, which then has the slots' tables; None: no LoRA row."""
+        rows = self.batch.token_slots()
+        if rows is not None:
+            self.capture_tables.point(capture, self.slots)
+        return rows
 
     def _slot_for(self, lora: LoRARequest, needed: set[str]) -> int:
         identity = lora.identity

@@ -173,6 +173,7 @@ class DecodeCapture:
         self._work = torch.empty(floats, dtype=torch.float32)
         self._out = torch.empty(self.max_batch, spec.hidden_size, dtype=torch.float32)
         self._lora_keep: object = None
+        self.lora_version = -1  # the LoRA slots' version the tables describe (-1: none)
         self.info = CaptureInfo(sizes, 0.0, tuple(sorted(formats)))
 
     def _moe(self, mlp: object) -> _RsMoe | None:
@@ -238,14 +239,16 @@ class DecodeCapture:
         """The decoder layers the step runs."""
         return len(self._layers)
 
-    def set_lora(self, tables: list[list[int | None]], keep: object) -> None:
+    def set_lora(self, tables: list[list[int | None]], keep: object, version: int) -> None:
         """Point every layer's projections (qkv, o, gate_up, down) at their LoRA slot tables
         (addresses of `rs_lora` arrays, None: no adapter touches it; built by
-        `ringserve.gpu.lora.capture`), which `keep` keeps alive."""
+        `ringserve.gpu.lora.capture`), which `keep` keeps alive; `version` names what the
+        slots held (`lora_version`)."""
         for layer, pointers in zip(self._layers, tables, strict=True):
             for k, pointer in enumerate(pointers):
                 layer.lora[k] = pointer
         self._lora_keep = keep
+        self.lora_version = version
 
     def run_keeping(self, inputs: StepInputs, abort_flag: int, layers: tuple[int, ...],
                     row_slots: np.ndarray | None = None,

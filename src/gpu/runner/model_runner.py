@@ -336,12 +336,9 @@ class ModelRunner:
         # inputs of these layers, which the captured step and the eager stack both keep).
         features_of = self.proposer.feature_layers if self.proposer is not None else None
         kept: torch.Tensor | None = None
-        lora_rows = self.lora.batch.token_slots() if self.lora is not None else None
         if self.capture is not None and not eager and self.capture.accepts(inputs):
-            if lora_rows is not None:  # the step adds the slots' deltas itself
-                assert self.lora is not None
-                self.capture.set_lora(*self.lora.capture_tables.current(
-                    self.lora.slots, self.capture.num_layers))
+            # LoRA rows: the captured step adds their slots' deltas itself.
+            lora_rows = self.lora.capture_rows(self.capture) if self.lora is not None else None
             try:
                 hidden, kept = self.capture.run_keeping(inputs, self.abort_flag,
                                                         features_of or (), lora_rows)

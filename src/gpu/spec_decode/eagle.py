@@ -62,14 +62,13 @@ class EagleProposer:
         self.config = config
         self.device = device
         self.max_drafts = max_drafts
-        self._target = target
         model = target()
         head = EagleHeadConfig.read(method, head_dir, config.model_config)
         if head.aux_layer_ids and not hasattr(model.model, "aux_layers"):
             raise ValueError(f"speculative_config.method: {method!r} reads the target's layer "
                              f"inputs, which {type(model).__name__} does not keep")
-        self.head: EagleHead = load_eagle_head(head, config.model_config, model, backend, device)
-        self.head._target = [model]
+        self.head: EagleHead = load_eagle_head(head, config.model_config, target, backend,
+                                               device)
         self.feature_layers: tuple[int, ...] = head.aux_layer_ids
         self.kv_spec = KVCacheSpec(num_layers=head.num_layers, num_kv_heads=head.num_kv_heads,
                                    head_dim=head.head_dim,
@@ -104,25 +103,23 @@ class EagleProposer:
     def observe(self, table: RequestTable, inputs: StepInputs, features: torch.Tensor) -> None:
         """Write the head's KV for the step's rows whose next token is known (see the module
         docstring); keep the first draft's rows of the requests that have just sampled."""
-        self.head._target = [self._target()]
         self._ready.clear()
         row_slot = np.repeat(inputs.slots, inputs.num_scheduled)
         row_pos = inputs.positions_np
         known = row_pos + 1 < table.num_tokens[row_slot]
         if not known.any():
             return
-        rows = np.flatnonzero(known)
-        # One query per request over its known rows (consecutive positions, in batch order).
-        order: dict[int, list[int]] = {}
-        for row in rows.tolist():
-            order.setdefault(int(row_slot[row]), []).append(row)
-        slots = np.fromiter(order, dtype=np.int64, count=len(order))
-        starts = np.fromiter((row_pos[r[0]] for r in order.values()), dtype=np.int64,
-                             count=len(order))
-        counts = np.fromiter((len(r) for r in order.values()), dtype=np.int64, count=len(order))
+        flat = np.flatnonzero(known)
+        # One query per request over its known rows: a request's rows are consecutive in the
+        # batch (one query, or a verify step's queries in position order), and the known ones
+        # are a run of them (a prompt chunk's, or the accepted part of a verify run).
+        slot_of = row_slot[flat]
+        first = np.flatnonzero(np.r_[True, slot_of[1:] != slot_of[:-1]])
+        slots = slot_of[first]
+        starts = row_pos[flat[first]]
+        counts = np.diff(np.r_[first, flat.size])
         name = dict(zip(inputs.slots.tolist(), inputs.req_ids, strict=True))
         ids = [name[s] for s in slots.tolist()]
-        flat = np.concatenate([np.asarray(r, dtype=np.int64) for r in order.values()])
         step = build_inputs(table, ids, slots, starts, counts, self.device)
         next_tokens = table.token_ids[row_slot[flat], row_pos[flat] + 1]
         index = torch.from_numpy(flat).to(features.device)

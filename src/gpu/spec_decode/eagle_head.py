@@ -22,6 +22,7 @@ runs all of it (a head is one layer of the target's width). Built and loaded by
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -91,17 +92,18 @@ class EagleLayer(nn.Module):
 
 
 class EagleHead(nn.Module):
-    """The head (see the module docstring). `target` lends its embedding and, where the head
-    has none of its own, its LM head."""
+    """The head (see the module docstring). `target` returns the model being served (a weight
+    update swaps it), which lends its embedding and, where the head has none of its own, its
+    LM head."""
 
     d2t: torch.Tensor  # [draft vocabulary] target id - draft id
 
     def __init__(self, head: EagleHeadConfig, target_config: ModelConfig,
-                 target: LlamaForCausalLM, backend: AttentionBackend) -> None:
+                 target: Callable[[], LlamaForCausalLM], backend: AttentionBackend) -> None:
         super().__init__()
         self.config = head
         hf = head.hf
-        dtype = target.spec.dtype
+        dtype = target().spec.dtype
         self.spec = DecoderSpec(
             vocab_size=head.vocab_size, hidden_size=head.hidden_size,
             intermediate_size=head.intermediate_size, num_layers=head.num_layers,
@@ -133,13 +135,13 @@ class EagleHead(nn.Module):
                              if "embed_tokens.weight" in names else None)
         self.register_buffer("d2t", torch.zeros(head.draft_vocab_size, dtype=torch.int64),
                              persistent=False)
-        self._target = [target]  # a list: not registered as a submodule
+        self._target = target
 
     def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
         """The tokens' embeddings (the head's own, or the target's)."""
         if self.embed_tokens is not None:
             return self.embed_tokens.forward(token_ids)
-        return self._target[0].model.embed_tokens.forward(token_ids)
+        return self._target().model.embed_tokens.forward(token_ids)
 
     def forward(self, token_ids: torch.Tensor, positions: torch.Tensor, hidden: torch.Tensor,
                 kv_caches: list[torch.Tensor], meta: AttentionMetadata,
@@ -168,7 +170,7 @@ class EagleHead(nn.Module):
     def draft_tokens(self, out: torch.Tensor) -> torch.Tensor:
         """The greedy draft (a target token id) of each output row."""
         if self.lm_head is None:
-            return self._target[0].compute_logits(out).argmax(dim=-1)
+            return self._target().compute_logits(out).argmax(dim=-1)
         best = self.lm_head.forward(out).argmax(dim=-1)
         return best + self.d2t[best]
 
@@ -238,7 +240,7 @@ def _tensor_names(directory: str) -> set[str]:
 
 
 def load_eagle_head(head: EagleHeadConfig, target_config: ModelConfig,
-                    target: LlamaForCausalLM, backend: AttentionBackend,
+                    target: Callable[[], LlamaForCausalLM], backend: AttentionBackend,
                     device: torch.device) -> EagleHead:
     """Build the head for `target` and load its weights."""
     module = EagleHead(head, target_config, target, backend).to(device)

@@ -11,7 +11,7 @@ import torch
 from lora_helpers import peft_adapter
 
 from ringserve.engine.arg_utils import EngineArgs
-from ringserve.gpu.lora.capture import lora_tables
+from ringserve.gpu.lora.capture import CaptureTables
 from ringserve.gpu.lora.layers import LoRABatch, LoRASlots, install_lora
 from ringserve.gpu.runner.input_prep import prepare_inputs
 from ringserve.gpu.runner.model_runner import ModelRunner
@@ -45,7 +45,7 @@ def test_captured_decodes_add_each_rows_slot_delta(tmp_path: Path) -> None:
         table.num_computed[table.slot_of(r)] = 10
     inputs = prepare_inputs(table, ids, np.ones(4, dtype=np.int32), runner.device)
     row_slots = np.array([0, -1, 2, 0], dtype=np.int64)
-    capture.set_lora(*lora_tables(slots, capture.num_layers))
+    CaptureTables().point(capture, slots)
     got, _ = capture.run_keeping(inputs, 0, (), row_slots)
     plain, _ = capture.run_keeping(inputs, 0, ())
     batch.set(torch.from_numpy(row_slots))
